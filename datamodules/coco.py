@@ -1,0 +1,515 @@
+"""COCO captions: one (image, caption) sample per caption annotation, with optional hard-negative captions.
+
+Two annotation formats are read: a COCO captions JSON (COCO 2017 `captions_*.json`; an annotation may carry
+a `neg_captions` list) and, when the path ends in `.tsv`, the NegCLIP training TSV (`title`, `filepath`,
+`neg_caption`). Bad input never becomes silent wrong numbers: missing images, empty captions and unreadable
+images either raise, naming the file, or (with `on_bad_image="skip"`) are dropped or substituted, counted and
+logged. Captions longer than the context length are truncated by the tokenizer, counted and flagged per sample.
+
+Captions are tokenised once, at construction, into numpy arrays: forked DataLoader workers share numpy
+buffers copy-on-write, whereas a list of Python objects is copied page by page as reference counts change.
+"""
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import logging
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple
+
+import lightning as L
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+logger = logging.getLogger(__name__)
+
+BAD_IMAGE_POLICIES = ("error", "skip")
+# Consecutive unreadable images that "skip" steps over before giving up: more means a broken folder.
+MAX_SUBSTITUTE_TRIES = 10
+# Missing file names listed in the "skip" warning (the count is always given in full).
+NAMES_IN_WARNING = 5
+# Captions per tokenizer call: bounds the transient int64 tensor, not the result.
+TOKENIZE_CHUNK = 8192
+NEGCLIP_COLUMNS = ("title", "filepath", "neg_caption")
+# How PIL reports a broken file: OSError (truncated data, unidentified format), SyntaxError (broken PNG
+# chunks), ValueError (impossible header values), DecompressionBombError (absurd sizes).
+IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+ImageTransform = Callable[[Image.Image], torch.Tensor]
+
+
+class CaptionTokenizer(Protocol):
+    """An open_clip text tokenizer (`open_clip.get_tokenizer(name)`, a `SimpleTokenizer`)."""
+
+    def __call__(self, texts: List[str]) -> torch.Tensor:
+        """Token ids [N, L], zero-padded; over-long captions truncated with EOT kept last."""
+
+    def encode(self, text: str) -> List[int]:
+        """BPE ids of `text` without SOT/EOT and without truncation."""
+
+
+class UnreadableImageError(RuntimeError):
+    """An image file that exists but cannot be decoded."""
+
+
+@dataclass(frozen=True)
+class CaptionRecord:
+    """One caption annotation as read from disk, before images are resolved or captions tokenised.
+
+    Attributes:
+        caption_id: the annotation id (JSON) or the data-row index (TSV).
+        image_id: the COCO image id.
+        file_name: the image path relative to the image folder.
+        caption: the caption, stripped of surrounding whitespace.
+        neg_captions: hard-negative captions, stripped (possibly none).
+    """
+
+    caption_id: int
+    image_id: int
+    file_name: str
+    caption: str
+    neg_captions: Tuple[str, ...] = ()
+
+
+# ----- reading annotation files -------------------------------------------------------------------------
+def read_annotation_file(path: str) -> List[CaptionRecord]:
+    """Caption records from a COCO captions JSON or, when `path` ends in `.tsv`, a NegCLIP TSV.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: the file is not in the expected format (the message names the path).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"annotation file not found: {path}")
+    return read_negclip_tsv(path) if path.endswith(".tsv") else read_coco_json(path)
+
+
+def read_coco_json(path: str) -> List[CaptionRecord]:
+    """Caption records from a COCO captions JSON (`images` with `id`/`file_name`, `annotations`)."""
+    document = _load_coco_document(path)
+    file_names = {image["id"]: image["file_name"] for image in document["images"]}
+    return [_coco_record(path, annotation, file_names) for annotation in document["annotations"]]
+
+
+def _load_coco_document(path: str) -> Dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        raise ValueError(f"annotation file {path} is not valid JSON: {err}") from err
+    if not isinstance(document, dict) or not {"images", "annotations"} <= document.keys():
+        raise ValueError(f"annotation file {path} is not a COCO captions file: it needs 'images' and "
+                         f"'annotations' at the top level")
+    return document
+
+
+def _coco_record(path: str, annotation: Dict[str, Any], file_names: Dict[int, str]) -> CaptionRecord:
+    image_id = annotation["image_id"]
+    if image_id not in file_names:
+        raise ValueError(f"{path}: annotation {annotation['id']} refers to image {image_id}, which is not "
+                         f"listed in 'images'")
+    return CaptionRecord(caption_id=int(annotation["id"]), image_id=int(image_id),
+                         file_name=file_names[image_id], caption=annotation["caption"].strip(),
+                         neg_captions=_stripped(annotation.get("neg_captions", ())))
+
+
+def read_negclip_tsv(path: str) -> List[CaptionRecord]:
+    """Caption records from the NegCLIP training TSV; the caption id is the data-row index.
+
+    The file is pandas `to_csv(sep="\\t")` output: an unnamed index column first, and quoted fields that
+    may hold quotes and newlines, so it is read with the csv module rather than split into lines.
+    """
+    with open(path, encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle, delimiter="\t")
+        missing = [column for column in NEGCLIP_COLUMNS if column not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"{path} is not a NegCLIP TSV: it lacks the column(s) {', '.join(missing)}")
+        return [_negclip_record(path, row_index, row) for row_index, row in enumerate(reader)]
+
+
+def _negclip_record(path: str, row_index: int, row: Dict[str, str]) -> CaptionRecord:
+    file_name = row["filepath"]
+    return CaptionRecord(caption_id=row_index, image_id=image_id_from_file_name(file_name),
+                         file_name=file_name, caption=row["title"].strip(),
+                         neg_captions=_parse_caption_list(path, row_index, row["neg_caption"]))
+
+
+def _parse_caption_list(path: str, row_index: int, literal: str) -> Tuple[str, ...]:
+    try:
+        captions = ast.literal_eval(literal)
+    except (ValueError, SyntaxError) as err:
+        raise ValueError(f"{path}: row {row_index} has a neg_caption that is not a Python list") from err
+    if not isinstance(captions, (list, tuple)) or not all(isinstance(c, str) for c in captions):
+        raise ValueError(f"{path}: row {row_index} has a neg_caption that is not a list of strings")
+    return _stripped(captions)
+
+
+def image_id_from_file_name(file_name: str) -> int:
+    """The COCO image id in a file name: its last run of digits (`COCO_val2014_000000391895.jpg` -> 391895)."""
+    stem = os.path.splitext(os.path.basename(file_name))[0]
+    digits = re.findall(r"\d+", stem)
+    if not digits:
+        raise ValueError(f"no image id (digits) in the image file name {file_name!r}")
+    return int(digits[-1])
+
+
+def _stripped(captions: Iterable[str]) -> Tuple[str, ...]:
+    return tuple(caption.strip() for caption in captions)
+
+
+def image_path_candidates(image_dir: str, file_name: str) -> Tuple[str, ...]:
+    """Where an image may be: `<image_dir>/<file_name>`, else `<image_dir>/<basename(file_name)>`.
+
+    The fallback lets NegCLIP's `coco/val2014/...` paths point into a flat image folder.
+    """
+    full = os.path.join(image_dir, file_name)
+    flat = os.path.join(image_dir, os.path.basename(file_name))
+    return (full,) if flat == full else (full, flat)
+
+
+def _existing_path(candidates: Sequence[str]) -> Optional[str]:
+    return next((path for path in candidates if os.path.exists(path)), None)
+
+
+# ----- tokenisation -------------------------------------------------------------------------------------
+def tokenize_captions(tokenizer: CaptionTokenizer, captions: Sequence[str]) -> np.ndarray:
+    """Token ids int32 [N, L] of `captions`, exactly as `tokenizer(captions)` gives them."""
+    # At least one call, so that an empty list still yields [0, L].
+    chunks = [tokenizer(list(captions[start:start + TOKENIZE_CHUNK])).numpy().astype(np.int32)
+              for start in range(0, max(len(captions), 1), TOKENIZE_CHUNK)]
+    return np.concatenate(chunks)
+
+
+def find_truncated(tokenizer: CaptionTokenizer, captions: Sequence[str], tokens: np.ndarray) -> np.ndarray:
+    """bool [N]: the captions whose untruncated length (BPE tokens + SOT + EOT) exceeds the context length."""
+    context_length = tokens.shape[1]
+    # open_clip pads with 0, so only a row without padding at the end can have been truncated: the second,
+    # untruncated encoding runs on a handful of captions instead of all of them.
+    full_rows = np.flatnonzero(tokens[:, -1] != 0)
+    truncated = np.zeros(len(captions), dtype=bool)
+    for row in full_rows:
+        truncated[row] = len(tokenizer.encode(captions[row])) + 2 > context_length
+    return truncated
+
+
+def cycled_negative_rows(counts: np.ndarray, num_negatives: int) -> np.ndarray:
+    """int64 [N, K] rows into the flat list of every sample's negatives, each sample cycling its own.
+
+    Args:
+        counts: int [N], how many negatives sample i contributed to the flat list (all >= 1).
+        num_negatives: K, the negatives per sample.
+    """
+    starts = np.cumsum(counts) - counts
+    return starts[:, None] + np.arange(num_negatives)[None, :] % counts[:, None]
+
+
+# ----- the dataset --------------------------------------------------------------------------------------
+class CocoCaptions(Dataset):
+    """One sample per caption annotation: image, tokenised caption, ids, optional hard negatives.
+
+    A sample is a dict: `image` float [3, H, W] (from `transform`), `text` long [L], `image_id` and
+    `caption_id` int, `truncated` bool (the caption was longer than the context length), `bad_image` bool
+    (this sample stands in for one whose image could not be read), and with `num_hard_negatives` K > 0
+    `neg_text` long [K, L] (the annotation's first K negatives, cycled when it has fewer).
+
+    Args:
+        annotations: a COCO captions JSON, or a NegCLIP TSV when the path ends in `.tsv`.
+        image_dir: the folder that image file names are relative to.
+        tokenizer: the model's open_clip tokenizer.
+        transform: the model's open_clip image transform (PIL RGB image -> tensor).
+        num_hard_negatives: K, negatives per sample (0 = none); every annotation must then have some.
+        on_bad_image: "error" raises on a missing image, an empty caption or an unreadable image; "skip"
+            drops missing images and empty captions at construction and substitutes the next sample for an
+            unreadable image, counting and logging each.
+        max_samples: keep only the first N annotations of the file (before dropping any).
+
+    Attributes:
+        num_images: distinct images among the kept samples.
+        num_missing_images: distinct image files that were not found.
+        num_empty_captions: captions that were empty after stripping.
+        num_truncated_captions: kept captions longer than the context length.
+        context_length: L.
+    """
+
+    def __init__(self, annotations: str | os.PathLike, image_dir: str | os.PathLike,
+                 tokenizer: CaptionTokenizer, transform: ImageTransform, *, num_hard_negatives: int = 0,
+                 on_bad_image: str = "error", max_samples: Optional[int] = None):
+        _check_options(tokenizer, num_hard_negatives, on_bad_image, max_samples)
+        self.annotations = os.fspath(annotations)
+        self.image_dir = os.fspath(image_dir)
+        self.transform = transform
+        self.num_hard_negatives = num_hard_negatives
+        self.on_bad_image = on_bad_image
+        records = read_annotation_file(self.annotations)[:max_samples]
+        records = self._drop_empty_captions(records)
+        records = self._resolve_images(records)
+        self._store_ids(records)
+        self._tokenize(tokenizer, records)
+        if num_hard_negatives > 0:
+            self._tokenize_negatives(tokenizer, records)
+        self._reported_bad_files: Set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._caption_ids)
+
+    def __getitem__(self, key: int | Tuple[int, int]) -> Dict[str, Any]:
+        """Sample `key`, or `(index, augmentation_seed)` as yielded by `SeededDistributedSampler`."""
+        index, augmentation_seed = key if isinstance(key, tuple) else (key, None)
+        with seeded_torch_rng(augmentation_seed):
+            source, image = self._image_or_substitute(index)
+        sample = {
+            "image": image,
+            "text": torch.from_numpy(self._tokens[source].astype(np.int64)),
+            "image_id": int(self._image_ids[source]),
+            "caption_id": int(self._caption_ids[source]),
+            "truncated": bool(self._truncated[source]),
+            "bad_image": source != index,
+        }
+        if self.num_hard_negatives > 0:
+            sample["neg_text"] = torch.from_numpy(self._neg_tokens[self._neg_rows[source]].astype(np.int64))
+        return sample
+
+    def image_path(self, index: int) -> str:
+        """The image file of sample `index`."""
+        return str(self._image_paths[self._image_rows[index]])
+
+    def summary(self) -> str:
+        """One line: samples, images, missing images, truncated and empty captions, and the source file."""
+        return (f"{len(self)} samples, {self.num_images} images, {self.num_missing_images} missing images, "
+                f"{self.num_truncated_captions} truncated captions, {self.num_empty_captions} empty "
+                f"captions ({self.annotations})")
+
+    # ----- construction ---------------------------------------------------------------------------------
+    def _drop_empty_captions(self, records: List[CaptionRecord]) -> List[CaptionRecord]:
+        empty = [record.caption_id for record in records if not record.caption]
+        self.num_empty_captions = len(empty)
+        if empty and self.on_bad_image == "error":
+            raise ValueError(f"{self.annotations}: annotation {empty[0]} has an empty caption ({len(empty)} "
+                             f"empty in all); set data.on_bad_image=skip to drop them")
+        if empty:
+            logger.warning("%s: dropped %d empty captions (annotation ids %s)", self.annotations, len(empty),
+                           empty[:NAMES_IN_WARNING])
+        return [record for record in records if record.caption]
+
+    def _resolve_images(self, records: List[CaptionRecord]) -> List[CaptionRecord]:
+        """Find every image once (one stat per distinct file); drop or reject samples whose image is missing."""
+        candidates = {record.file_name: image_path_candidates(self.image_dir, record.file_name)
+                      for record in records}
+        found = {name: _existing_path(paths) for name, paths in candidates.items()}
+        missing = [" or ".join(candidates[name]) for name, path in found.items() if path is None]
+        self.num_missing_images = len(missing)
+        if missing:
+            self._report_missing(missing)
+        kept = [record for record in records if found[record.file_name] is not None]
+        image_paths = list(dict.fromkeys(found[record.file_name] for record in kept))
+        row_of_path = {path: row for row, path in enumerate(image_paths)}
+        # Fixed-width numpy strings, not a list of str: see the module docstring on forked workers.
+        self._image_paths = np.array(image_paths, dtype=np.str_)
+        self._image_rows = np.array([row_of_path[found[r.file_name]] for r in kept], dtype=np.int32)
+        self.num_images = len(image_paths)
+        return kept
+
+    def _report_missing(self, missing: List[str]) -> None:
+        if self.on_bad_image == "error":
+            raise FileNotFoundError(f"{len(missing)} image file(s) referenced by {self.annotations} are "
+                                    f"missing; the first: {missing[0]} (set data.on_bad_image=skip to drop "
+                                    f"their captions)")
+        logger.warning("%s: %d image files are missing, their captions are dropped; e.g. %s",
+                       self.annotations, len(missing), ", ".join(missing[:NAMES_IN_WARNING]))
+
+    def _store_ids(self, records: List[CaptionRecord]) -> None:
+        self._image_ids = np.array([record.image_id for record in records], dtype=np.int64)
+        self._caption_ids = np.array([record.caption_id for record in records], dtype=np.int64)
+
+    def _tokenize(self, tokenizer: CaptionTokenizer, records: List[CaptionRecord]) -> None:
+        captions = [record.caption for record in records]
+        self._tokens = tokenize_captions(tokenizer, captions)
+        self.context_length = self._tokens.shape[1]
+        self._truncated = find_truncated(tokenizer, captions, self._tokens)
+        self.num_truncated_captions = int(self._truncated.sum())
+        if self.num_truncated_captions:
+            logger.warning("%s: %d captions are longer than the context length %d and were truncated",
+                           self.annotations, self.num_truncated_captions, self.context_length)
+
+    def _tokenize_negatives(self, tokenizer: CaptionTokenizer, records: List[CaptionRecord]) -> None:
+        chosen = [record.neg_captions[:self.num_hard_negatives] for record in records]
+        lacking = sum(1 for negatives in chosen if not negatives)
+        if lacking:
+            raise ValueError(f"{self.annotations}: {lacking} of {len(records)} annotations have no "
+                             f"neg_captions, but data.num_hard_negatives={self.num_hard_negatives}")
+        counts = np.array([len(negatives) for negatives in chosen], dtype=np.int64)
+        self._neg_rows = cycled_negative_rows(counts, self.num_hard_negatives)
+        self._neg_tokens = tokenize_captions(tokenizer, [c for negatives in chosen for c in negatives])
+
+    # ----- loading --------------------------------------------------------------------------------------
+    def _image_or_substitute(self, index: int) -> Tuple[int, torch.Tensor]:
+        """(the sample index actually used, its image): `index` itself unless its image is unreadable."""
+        if self.on_bad_image == "error":
+            return index, self._load_image(index)
+        # A substitute rather than a dropped sample keeps batch sizes equal on every DDP rank.
+        for step in range(MAX_SUBSTITUTE_TRIES + 1):
+            source = (index + step) % len(self)
+            try:
+                return source, self._load_image(source)
+            except UnreadableImageError as err:
+                self._warn_once(source, err)
+        raise UnreadableImageError(f"{MAX_SUBSTITUTE_TRIES + 1} consecutive unreadable images from sample "
+                                   f"{index} on, the last {self.image_path(source)}; is {self.image_dir} "
+                                   f"intact?")
+
+    def _load_image(self, index: int) -> torch.Tensor:
+        path = self.image_path(index)
+        try:
+            with Image.open(path) as image:
+                rgb = image.convert("RGB")  # decodes every byte, so a truncated file fails here
+        except IMAGE_ERRORS as err:
+            raise UnreadableImageError(f"cannot read image {path}: {err}") from err
+        return self.transform(rgb)
+
+    def _warn_once(self, index: int, err: UnreadableImageError) -> None:
+        path = self.image_path(index)
+        if path not in self._reported_bad_files:
+            self._reported_bad_files.add(path)
+            logger.warning("%s; its samples are replaced by the next readable ones (bad_image=True)", err)
+
+
+def _check_options(tokenizer: CaptionTokenizer, num_hard_negatives: int, on_bad_image: str,
+                   max_samples: Optional[int]) -> None:
+    if on_bad_image not in BAD_IMAGE_POLICIES:
+        raise ValueError(f"on_bad_image={on_bad_image!r} is not one of {', '.join(BAD_IMAGE_POLICIES)}")
+    if num_hard_negatives < 0 or (max_samples is not None and max_samples < 0):
+        raise ValueError(f"num_hard_negatives ({num_hard_negatives}) and max_samples ({max_samples}) must "
+                         f"not be negative")
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise TypeError(f"{type(tokenizer).__name__} has no encode(text) method, so truncated captions "
+                        f"cannot be counted; use an open_clip SimpleTokenizer")
+
+
+# ----- loaders ------------------------------------------------------------------------------------------
+@contextmanager
+def seeded_torch_rng(seed: Optional[int]) -> Iterator[None]:
+    """Run the body with torch's CPU RNG seeded by `seed` (restored afterwards); no-op for None."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class SeededDistributedSampler(DistributedSampler):
+    """A DistributedSampler that yields `(index, augmentation_seed)` pairs.
+
+    The seed is a function of (sampler seed, epoch, index) only, so a sample's random crop is the same
+    whatever the number of workers, and a run resumed from a checkpoint sees exactly the augmentations that
+    the uninterrupted run would have seen (worker RNG streams are not part of a checkpoint).
+    """
+
+    def __iter__(self) -> Iterator[Tuple[int, int]]:
+        for index in super().__iter__():
+            yield index, int(np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0])
+
+
+def check_enough_samples(num_samples: int, batch_size: int, world_size: int) -> None:
+    """Raise unless the training set fills one global batch: with drop_last it would train on nothing."""
+    if num_samples < batch_size * world_size:
+        raise ValueError(f"the training set has {num_samples} samples, fewer than one global batch "
+                         f"(batch_size {batch_size} x world size {world_size}); with drop_last=True there "
+                         f"would be no training batch at all")
+
+
+def build_dataloader(dataset: Dataset, *, batch_size: int, num_workers: int, world_size: int, rank: int,
+                     train: bool, seed: int = 0) -> DataLoader:
+    """A loader over this rank's shard of `dataset`.
+
+    Training: shuffled by (seed, epoch) via `sampler.set_epoch`, which Lightning calls every epoch, and
+    `drop_last` in both sampler and loader so every rank runs the same number of equal-sized batches (the
+    distributed contrastive loss gathers them). Evaluation: in order, nothing dropped; DistributedSampler
+    pads the last shard by repeating a few samples so ranks stay in step.
+    """
+    sampler_class = SeededDistributedSampler if train else DistributedSampler
+    sampler = sampler_class(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed,
+                            drop_last=train)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=train,
+                      num_workers=num_workers, persistent_workers=num_workers > 0,
+                      pin_memory=torch.cuda.is_available())
+
+
+class CocoDataModule(L.LightningDataModule):
+    """Train/val `CocoCaptions` splits and their DDP-sharded loaders.
+
+    The trainer must be built with `use_distributed_sampler=False`: the loaders bring their own
+    `DistributedSampler`, whose (seed, epoch) order makes runs reproducible and resumable.
+
+    Args:
+        data: the `data` section of the config (fields of `lightning_modules.config.DataConfig`).
+        tokenizer: the model's open_clip tokenizer.
+        train_transform: the model's training image transform (used when `data.train_augment`).
+        val_transform: the model's evaluation image transform.
+        seed: the shuffling seed of the training sampler.
+    """
+
+    def __init__(self, data: Any, tokenizer: CaptionTokenizer, train_transform: ImageTransform,
+                 val_transform: ImageTransform, seed: int = 0):
+        super().__init__()
+        self.data = data
+        self.tokenizer = tokenizer
+        self.train_transform = train_transform
+        self.val_transform = val_transform
+        self.seed = seed
+        self.train_dataset: Optional[CocoCaptions] = None
+        self.val_dataset: Optional[CocoCaptions] = None
+
+    def setup(self, stage: str) -> None:
+        """Build the training split for "fit" and the validation split for "fit" and "validate"."""
+        if stage == "fit" and self.train_dataset is None:
+            self.train_dataset = self._build_split("train")
+        if stage in ("fit", "validate") and self.val_dataset is None and self.data.val_annotations:
+            self.val_dataset = self._build_split("val")
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled, sharded over ranks, full batches only."""
+        dataset = _built(self.train_dataset, "train", "setup('fit')")
+        world_size, rank = self._world_size_and_rank()
+        check_enough_samples(len(dataset), self.data.batch_size, world_size)
+        return build_dataloader(dataset, batch_size=self.data.batch_size, num_workers=self.data.num_workers,
+                                world_size=world_size, rank=rank, train=True, seed=self.seed)
+
+    def val_dataloader(self) -> DataLoader:
+        """In order, sharded over ranks, last batch kept."""
+        dataset = _built(self.val_dataset, "val", "setup('fit') or setup('validate')")
+        world_size, rank = self._world_size_and_rank()
+        return build_dataloader(dataset, batch_size=self.data.val_batch_size or self.data.batch_size,
+                                num_workers=self.data.num_workers, world_size=world_size, rank=rank,
+                                train=False)
+
+    def _build_split(self, split: str) -> CocoCaptions:
+        data = self.data
+        augment = split == "train" and data.train_augment
+        dataset = CocoCaptions(
+            os.path.join(data.root, getattr(data, f"{split}_annotations")),
+            os.path.join(data.root, getattr(data, f"{split}_images")),
+            self.tokenizer, self.train_transform if augment else self.val_transform,
+            # Validation reports the plain contrastive loss, comparable across methods and runs.
+            num_hard_negatives=data.num_hard_negatives if split == "train" else 0,
+            on_bad_image=data.on_bad_image,
+            max_samples=getattr(data, f"max_{split}_samples"))
+        logger.info("%s split: %s", split, dataset.summary())
+        return dataset
+
+    def _world_size_and_rank(self) -> Tuple[int, int]:
+        if self.trainer is None:
+            return 1, 0
+        return self.trainer.world_size, self.trainer.global_rank
+
+
+def _built(dataset: Optional[CocoCaptions], split: str, setup_call: str) -> CocoCaptions:
+    if dataset is None:
+        raise RuntimeError(f"the {split} split is not built; call {setup_call} first")
+    return dataset

@@ -1,0 +1,18 @@
+"""Training methods for compositional CLIP, selected by `method.name` through `METHODS`."""
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from lightning_modules.base import CompositionalCLIPModule
+from lightning_modules.clip_ft import ClipFineTune
+
+METHODS: Dict[str, Type[CompositionalCLIPModule]] = {
+    "clip_ft": ClipFineTune,
+}
+
+
+def method_class(name: str) -> Type[CompositionalCLIPModule]:
+    """The module class registered as `name`; an unknown name lists the valid ones."""
+    if name not in METHODS:
+        raise KeyError(f"unknown method {name!r}; registered methods: {', '.join(sorted(METHODS))}")
+    return METHODS[name]

@@ -1,0 +1,158 @@
+"""The shared LightningModule: model construction, optimizer groups, schedule, logging, safety checks.
+
+A method subclasses `CompositionalCLIPModule` and overrides `compute_terms(batch)`, returning
+`(terms, report)`: `terms` are named scalar tensors, and those whose names end in `_loss` are summed into the
+objective; `report` holds scalars to log only. Everything else (groups, warmup + cosine, logit-scale clamp,
+non-finite guard, logging with `sync_dist=True`) lives here so methods stay small.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Dict, Iterator, List, Tuple
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from lightning_modules.encoders import CLIPEncoders, build_model
+
+Terms = Dict[str, Tensor]
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf objective; raised on every rank together."""
+
+
+def total_loss(terms: Terms) -> Tensor:
+    """The objective: the sum of the terms whose names end in `_loss`."""
+    losses = [value for name, value in terms.items() if name.endswith("_loss")]
+    if not losses:
+        raise ValueError(f"no term ends in '_loss' among {sorted(terms)}")
+    return torch.stack([loss.float() for loss in losses]).sum()
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear warmup to 1, then cosine to `min_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def split_by_decay(named: List[Tuple[str, nn.Parameter]]) -> Tuple[list, list]:
+    """Weight decay only for matrices; gains, biases, logit_scale and other ndim < 2 params are exempt."""
+    decay = [p for _, p in named if p.ndim >= 2]
+    no_decay = [p for _, p in named if p.ndim < 2]
+    return decay, no_decay
+
+
+class CompositionalCLIPModule(L.LightningModule, ABC):
+    """Base of every method. Args: cfg, the resolved experiment config (see config.py)."""
+
+    def __init__(self, cfg: DictConfig):
+        super().__init__()
+        self.save_hyperparameters({"config": OmegaConf.to_container(cfg, resolve=True)})
+        self.cfg = cfg
+        built = build_model(cfg.model.name, cfg.model.pretrained, cfg.model.config_dir)
+        self.model_name = built.name
+        self.tokenizer = built.tokenizer
+        self.preprocess_train, self.preprocess_val = built.preprocess_train, built.preprocess_val
+        self.encoders = CLIPEncoders(built.model)
+
+    @property
+    def clip(self) -> nn.Module:
+        """The open_clip model being trained (what gets exported)."""
+        return self.encoders.model
+
+    # ----- the one hook a method overrides -------------------------------------------------------------
+    @abstractmethod
+    def compute_terms(self, batch: dict) -> Tuple[Terms, Terms]:
+        """Return (terms, report) for a batch. Terms ending in `_loss` form the objective."""
+
+    # ----- steps -----------------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        terms, report = self.compute_terms(batch)
+        loss = total_loss(terms)
+        self._stop_if_not_finite(loss, terms)
+        self._log_scalars("train", {"loss": loss, **terms, **report, **self._data_counts(batch)}, batch)
+        self.log("train/logit_scale", self.clip.logit_scale.exp().detach(), batch_size=len(batch["text"]))
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        terms, report = self.compute_terms(batch)
+        self._log_scalars("val", {"loss": total_loss(terms), **terms, **report}, batch)
+
+    def _log_scalars(self, stage: str, scalars: Terms, batch: dict) -> None:
+        on_step = stage == "train"
+        values = {f"{stage}/{name}": value.detach().float() for name, value in scalars.items()}
+        self.log_dict(values, on_step=on_step, on_epoch=not on_step, sync_dist=True,
+                      batch_size=len(batch["text"]))
+
+    @staticmethod
+    def _data_counts(batch: dict) -> Terms:
+        """Per-batch counts of substituted bad images and truncated captions (summed over ranks' means)."""
+        return {f"data/{key}": batch[key].float().sum() for key in ("bad_image", "truncated") if key in batch}
+
+    def _stop_if_not_finite(self, loss: Tensor, terms: Terms) -> None:
+        finite = bool(torch.isfinite(loss.detach()))
+        if self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+            return
+        values = ", ".join(f"{name}={float(value.detach()):.4g}" for name, value in terms.items())
+        raise NonFiniteLossError(f"non-finite loss at global step {self.global_step} (batch of this rank: "
+                                 f"{values}); training stopped, the last checkpoint is untouched")
+
+    # ----- optimisation ----------------------------------------------------------------------------------
+    def head_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Trainable parameters outside the CLIP model (method heads, mask tokens): the head group."""
+        clip_ids = {id(p) for p in self.clip.parameters()}
+        return ((n, p) for n, p in self.named_parameters() if p.requires_grad and id(p) not in clip_ids)
+
+    def _backbone_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.clip.named_parameters() if p.requires_grad and n != "logit_scale"]
+
+    def param_groups(self) -> List[dict]:
+        """AdamW groups: backbone (decay / no decay), heads (decay / no decay), logit_scale (explicit)."""
+        o = self.cfg.optim
+        head_warmup = o.warmup_steps if o.head_warmup_steps is None else o.head_warmup_steps
+        backbone = dict(lr=o.lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps)
+        head = dict(lr=o.head_lr, weight_decay=o.head_weight_decay, warmup_steps=head_warmup)
+        groups = []
+        for prefix, named, settings in (("backbone", self._backbone_parameters(), backbone),
+                                        ("head", list(self.head_parameters()), head)):
+            decay, no_decay = split_by_decay(named)
+            groups.append({**settings, "name": prefix, "params": decay})
+            groups.append({**settings, "name": f"{prefix}_no_decay", "params": no_decay, "weight_decay": 0.0})
+        logit_settings = backbone if o.logit_scale_group == "backbone" else head
+        if self.clip.logit_scale.requires_grad:
+            groups.append({**logit_settings, "name": "logit_scale", "params": [self.clip.logit_scale],
+                           "weight_decay": 0.0})
+        return [g for g in groups if g["params"]]
+
+    def configure_optimizers(self):
+        o = self.cfg.optim
+        groups = self.param_groups()
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        total = int(self.trainer.estimated_stepping_batches)
+        schedules = [self._schedule(g["warmup_steps"], total) for g in groups]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _schedule(self, warmup_steps: int, total_steps: int):
+        min_ratio = self.cfg.optim.min_lr_ratio
+        return lambda step: warmup_cosine(step, warmup_steps, total_steps, min_ratio)
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self._clamp_logit_scale()
+
+    def _clamp_logit_scale(self) -> None:
+        """CLIP's temperature cap: exp(logit_scale) <= max_logit_scale after every step."""
+        with torch.no_grad():
+            self.clip.logit_scale.clamp_(0, math.log(self.cfg.optim.max_logit_scale))
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
+            for group in self.trainer.optimizers[0].param_groups:
+                self.log(f"lr/{group['name']}", group["lr"], batch_size=len(batch["text"]))

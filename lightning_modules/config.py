@@ -1,0 +1,227 @@
+"""Typed configuration: `configs/base.yaml` <- each `--config` file in order <- CLI dotlist overrides.
+
+The schema below is the single source of truth for every key. OmegaConf runs in struct mode, so a key
+that is not in the schema (a typo) is an error; `load_config` turns OmegaConf's message into one that
+names the closest valid key.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BASE_CONFIG = REPO_ROOT / "configs" / "base.yaml"
+
+
+@dataclass
+class ModelConfig:
+    # Any open_clip model name. OpenAI-derived weights need a `-quickgelu` name; with `pretrained: openai`
+    # the suffix is added automatically (see encoders.canonical_model_name).
+    name: str = "ViT-B-32-quickgelu"
+    # A pretrained tag ("openai", "laion2b_s34b_b79k"), a local checkpoint path, or null for random init.
+    pretrained: Optional[str] = None
+    # Extra open_clip model-config JSONs (tiny test/demo models) registered before building.
+    config_dir: str = "configs/models"
+
+
+@dataclass
+class MethodConfig:
+    # Key of lightning_modules.METHODS.
+    name: str = "clip_ft"
+    # CLIP-FT / NegCLIP: append each sample's hard-negative captions as extra image-to-text columns.
+    hard_negatives: bool = False
+
+
+@dataclass
+class DataConfig:
+    # COCO-format data: a captions JSON and an image folder per split, both relative to `root`.
+    root: str = "data/coco"
+    train_annotations: str = "annotations/captions_train2017.json"
+    train_images: str = "train2017"
+    val_annotations: str = "annotations/captions_val2017.json"
+    val_images: str = "val2017"
+    # Per-device batch size (the global batch is batch_size x devices x nodes).
+    batch_size: int = 256
+    val_batch_size: Optional[int] = None
+    num_workers: int = 4
+    # What a missing or unreadable image does: "error" (raise, naming the file) or "skip" (counted, logged).
+    on_bad_image: str = "error"
+    # Hard-negative captions per sample, read from each annotation's `neg_captions` list (0 = none).
+    num_hard_negatives: int = 0
+    # Random-resized-crop augmentation for training (false = the deterministic eval transform).
+    train_augment: bool = True
+    # Cap the number of (image, caption) pairs per split, for quick runs. null = all.
+    max_train_samples: Optional[int] = None
+    max_val_samples: Optional[int] = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    # Method heads (predictors, mask networks, aligners) get their own lr/wd group.
+    head_lr: float = 1e-3
+    head_weight_decay: float = 0.01
+    # Which group logit_scale belongs to: "backbone" or "head" (always without weight decay).
+    logit_scale_group: str = "backbone"
+    warmup_steps: int = 50
+    # Warmup of the head group (null = warmup_steps; SmartCLIP's mask net uses 0).
+    head_warmup_steps: Optional[int] = None
+    # Cosine decays from lr to lr * min_lr_ratio.
+    min_lr_ratio: float = 0.0
+    # Upper clamp of exp(logit_scale), applied after every optimizer step.
+    max_logit_scale: float = 100.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = -1
+    max_epochs: int = 5
+    # "auto": bf16-mixed on GPUs, 32 on the CPU.
+    precision: str = "auto"
+    accelerator: str = "auto"
+    devices: Any = "auto"
+    num_nodes: int = 1
+    strategy: str = "auto"
+    gradient_clip_val: Optional[float] = None
+    accumulate_grad_batches: int = 1
+    log_every_n_steps: int = 10
+    val_check_interval: Optional[float] = None
+    check_val_every_n_epoch: int = 1
+    limit_train_batches: Optional[float] = None
+    limit_val_batches: Optional[float] = None
+    num_sanity_val_steps: int = 2
+    deterministic: bool = False
+    # Run N training (and validation) batches as a smoke test: no checkpoints, no logger.
+    fast_dev_run: int = 0
+    enable_progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    # Metric selecting the best checkpoint (logged name), and whether lower or higher is better.
+    monitor: str = "val/itc_loss"
+    mode: str = "min"
+    # Also write last.ckpt every N optimizer steps (0 = only at validation / epoch ends).
+    every_n_steps: int = 0
+
+
+@dataclass
+class ExperimentConfig:
+    experiment: str = "default"
+    # Run directories are runs_root/<experiment>/ (stable, so a rerun or a SLURM requeue resumes).
+    runs_root: str = "runs"
+    seed: int = 0
+    # Rerunning the same command resumes from last.ckpt; false moves the old run directory aside.
+    resume: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+_CHOICES = {
+    "data.on_bad_image": ("error", "skip"),
+    "optim.logit_scale_group": ("backbone", "head"),
+    "checkpoint.mode": ("min", "max"),
+}
+
+
+def schema() -> DictConfig:
+    cfg = OmegaConf.structured(ExperimentConfig)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def valid_keys(node: Any = None, prefix: str = "") -> List[str]:
+    """Every dotted leaf key of the schema."""
+    node = schema() if node is None else node
+    keys = []
+    for name in node.keys():
+        child = node[name] if not OmegaConf.is_missing(node, name) else None
+        dotted = f"{prefix}{name}"
+        if isinstance(child, DictConfig):
+            keys.extend(valid_keys(child, dotted + "."))
+        else:
+            keys.append(dotted)
+    return keys
+
+
+def closest_key(key: str) -> Optional[str]:
+    keys = valid_keys()
+    matches = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    if matches:
+        return matches[0]
+    # A typo in the last segment only: compare leaf names within the same section.
+    section, _, leaf = key.rpartition(".")
+    siblings = [k for k in keys if k.rpartition(".")[0] == section]
+    leaves = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.3)
+    return f"{section}.{leaves[0]}" if leaves and section else None
+
+
+def _unknown_key_error(full_key: str, source: str) -> ConfigError:
+    suggestion = closest_key(full_key)
+    hint = f"; did you mean '{suggestion}'?" if suggestion else ""
+    return ConfigError(f"unknown config key '{full_key}' in {source}{hint}")
+
+
+def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(cfg, other)
+    except (ConfigAttributeError, ConfigKeyError) as err:
+        raise _unknown_key_error(str(err.full_key), source) from None
+    except ValidationError as err:
+        reason = str(err.msg).splitlines()[0]
+        raise ConfigError(f"invalid value for '{err.full_key}' in {source}: {reason}") from None
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    loaded = OmegaConf.load(path)
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path} must hold a mapping at the top level")
+    return loaded
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def load_config(config_files: Sequence[os.PathLike | str] = (), overrides: Sequence[str] = (),
+                base: Optional[Path] = BASE_CONFIG) -> DictConfig:
+    """Schema <- base.yaml <- each config file in order <- dotlist overrides, validated."""
+    cfg = schema()
+    for path in ([base] if base is not None else []) + [Path(p) for p in config_files]:
+        cfg = _merge(cfg, _read_yaml(Path(path)), str(path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override '{item}'")
+    _check_choices(cfg)
+    return cfg
+
+
+def save_config(cfg: DictConfig, path: Path) -> None:
+    """Write the resolved config atomically (a crash never leaves half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    os.replace(tmp, path)

@@ -1,0 +1,52 @@
+"""`python -m lightning_modules.demo --data DIR --run LABEL=RUN_DIR ...`: the demo's results table."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from lightning_modules.shapes_eval import SWAP_TYPES, evaluate_export
+
+COLUMNS = [("text", "swap text"), ("image", "swap image"), ("group", "swap group")] + \
+          [(f"acc_{t}", f"2-way {t}") for t in SWAP_TYPES] + [("i2t_r1", "I2T R@1"), ("t2i_r1", "T2I R@1")]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, type=Path, help="shapes world root")
+    parser.add_argument("--run", action="append", required=True, help="LABEL=RUN_DIR (repeatable)")
+    parser.add_argument("--split", default="val")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def parse_run(spec: str) -> Tuple[str, Path]:
+    label, sep, run_dir = spec.partition("=")
+    if not sep:
+        raise SystemExit(f"--run expects LABEL=RUN_DIR, got {spec!r}")
+    return label, Path(run_dir)
+
+
+def markdown_table(results: Dict[str, Dict[str, float]]) -> str:
+    header = "| model | " + " | ".join(title for _, title in COLUMNS) + " |"
+    rule = "|---|" + "---:|" * len(COLUMNS)
+    rows = [f"| {label} | " + " | ".join(f"{scores.get(key, float('nan')):.1f}" for key, _ in COLUMNS) + " |"
+            for label, scores in results.items()]
+    return "\n".join([header, rule, *rows])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    results = {}
+    for label, run_dir in map(parse_run, args.run):
+        results[label] = evaluate_export(run_dir / "export", args.data, args.split)
+    print(f"\nShapes world ({args.split} split): swap scores and 2-way accuracy by swap type, retrieval R@1 (%)\n")
+    print(markdown_table(results))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    print("\nTensorBoard: tensorboard --logdir runs")
+
+
+if __name__ == "__main__":
+    main()

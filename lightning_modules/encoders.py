@@ -1,0 +1,244 @@
+"""open_clip model construction and `CLIPEncoders`, which runs a CLIP's own submodules explicitly.
+
+Methods need more than `encode_text`/`encode_image` return: projected per-token and per-patch features,
+text attention probabilities that stay in the autograd graph (attribution losses), and the replacement of
+token / patch embeddings by a learnable mask token before positional embeddings (MACCO). Running the
+submodules one by one gives all of that without monkey-patching open_clip; tests check that the plain
+outputs equal open_clip's own.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+import open_clip
+import torch
+import torch.nn.functional as F
+from open_clip.transformer import ResidualAttentionBlock, Transformer
+from torch import Tensor, nn
+
+from lightning_modules.config import REPO_ROOT
+
+log = logging.getLogger(__name__)
+
+QUICKGELU_SUFFIX = "-quickgelu"
+
+
+@dataclass
+class TextFeatures:
+    """Projected text features. `pooled` equals `model.encode_text` (unnormalised)."""
+
+    pooled: Tensor  # [B, D], the projected EOS token
+    tokens: Tensor  # [B, L, D], every position through ln_final and the text projection
+    attentions: Optional[List[Tensor]] = None  # per layer [B, heads, L, L] softmax probabilities
+
+
+@dataclass
+class ImageFeatures:
+    """Projected image features. `pooled` equals `model.encode_image` (unnormalised)."""
+
+    pooled: Tensor  # [B, D], the projected CLS token
+    patches: Tensor  # [B, P, D], every patch through ln_post and the visual projection
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module
+    name: str  # canonical open_clip name (with -quickgelu for OpenAI-derived weights)
+    preprocess_train: Callable
+    preprocess_val: Callable
+    tokenizer: Callable
+
+
+def resolve_path(path: str) -> Path:
+    """Relative paths in configs are relative to the working directory, else to the repository."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    return REPO_ROOT / candidate
+
+
+def register_model_configs(config_dir: Optional[str]) -> None:
+    """Make the tiny test/demo model configs (JSON files) known to open_clip by their file stem."""
+    if not config_dir:
+        return
+    directory = resolve_path(config_dir)
+    if directory.is_dir() and directory not in open_clip.factory._MODEL_CONFIG_PATHS:
+        open_clip.add_model_config(directory)
+
+
+def _export_metadata(pretrained: str) -> Optional[dict]:
+    """model.json written beside an exported checkpoint, if `pretrained` points at one."""
+    path = Path(pretrained)
+    meta = (path if path.is_dir() else path.parent) / "model.json"
+    return json.loads(meta.read_text()) if meta.is_file() else None
+
+
+def canonical_model_name(name: str, pretrained: Optional[str]) -> str:
+    """The open_clip name to build, guarding the QuickGELU trap.
+
+    OpenAI weights were trained with QuickGELU; open_clip switches activation silently only for
+    `pretrained="openai"`, so a fine-tuned checkpoint loaded by path under `ViT-B-32` runs GELU and loses
+    1-7 benchmark points. We always build OpenAI-derived models under their `-quickgelu` name, and refuse an
+    export whose recorded model name differs from the configured one.
+    """
+    if pretrained == "openai" and not name.endswith(QUICKGELU_SUFFIX):
+        quick = name + QUICKGELU_SUFFIX
+        if quick in open_clip.list_models():
+            log.info("pretrained=openai: building %s instead of %s (QuickGELU activation)", quick, name)
+            return quick
+    meta = _export_metadata(pretrained) if pretrained and Path(pretrained).exists() else None
+    if meta is not None and meta.get("model") != name:
+        raise ValueError(f"model.name={name!r} but the export at {pretrained} was trained as "
+                         f"{meta.get('model')!r}; set model.name={meta.get('model')}")
+    return name
+
+
+def _pretrained_argument(pretrained: Optional[str]) -> Optional[str]:
+    """A tag passes through; a local export directory resolves to its open_clip.pt."""
+    if not pretrained:
+        return None
+    path = Path(pretrained)
+    if path.is_dir():
+        path = path / "open_clip.pt"
+    if path.exists():
+        return str(path)
+    if "/" in pretrained or pretrained.endswith((".pt", ".bin", ".safetensors", ".ckpt")):
+        raise FileNotFoundError(f"model.pretrained={pretrained!r}: no such checkpoint file")
+    return pretrained
+
+
+def build_model(name: str, pretrained: Optional[str] = None, config_dir: Optional[str] = None) -> BuiltModel:
+    """Build any open_clip model with random weights, a pretrained tag, or a local checkpoint."""
+    register_model_configs(config_dir)
+    if name not in open_clip.list_models():
+        raise ValueError(f"unknown open_clip model {name!r}; see open_clip.list_models() or add a JSON "
+                         f"config to model.config_dir")
+    name = canonical_model_name(name, pretrained)
+    model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
+        name, pretrained=_pretrained_argument(pretrained))
+    return BuiltModel(model, name, preprocess_train, preprocess_val, open_clip.get_tokenizer(name))
+
+
+def _check_supported_block(block: nn.Module) -> None:
+    if not isinstance(block, ResidualAttentionBlock) or hasattr(block, "ln_1_kv"):
+        raise ValueError(f"CLIPEncoders supports open_clip's standard ResidualAttentionBlock, got "
+                         f"{type(block).__name__}")
+
+
+def attention_with_probs(block: ResidualAttentionBlock, x: Tensor,
+                         attn_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The block's self-attention computed from its own weights, returning the probabilities too.
+
+    Same maths as `nn.MultiheadAttention` (batch-first), but explicit so the probabilities are the ones
+    used in the forward pass and stay in the graph (attention / relevance-based attribution).
+    """
+    attn = block.attn
+    batch, length, width = x.shape
+    heads = attn.num_heads
+    qkv = F.linear(x, attn.in_proj_weight, attn.in_proj_bias)
+    q, k, v = qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+    scores = (q * (width // heads) ** -0.5) @ k.transpose(-2, -1)
+    if attn_mask is not None:
+        scores = scores + attn_mask.to(scores.dtype)
+    probs = scores.softmax(dim=-1)
+    out = (probs @ v).transpose(1, 2).reshape(batch, length, width)
+    return attn.out_proj(out), probs
+
+
+def run_blocks(transformer: Transformer, x: Tensor, attn_mask: Optional[Tensor] = None,
+               need_attn: bool = False) -> Tuple[Tensor, Optional[List[Tensor]]]:
+    """Run a batch-first open_clip Transformer block by block, optionally collecting attention."""
+    if not transformer.batch_first:
+        raise ValueError("CLIPEncoders expects a batch-first open_clip Transformer")
+    if not need_attn:
+        return transformer(x, attn_mask=attn_mask), None
+    probs_per_layer = []
+    for block in transformer.resblocks:
+        _check_supported_block(block)
+        attn_out, probs = attention_with_probs(block, block.ln_1(x), attn_mask)
+        x = x + block.ls_1(attn_out)
+        x = x + block.ls_2(block.mlp(block.ln_2(x)))
+        probs_per_layer.append(probs)
+    return x, probs_per_layer
+
+
+def _project(x: Tensor, projection: Optional[nn.Module | Tensor]) -> Tensor:
+    if projection is None:
+        return x
+    return projection(x) if isinstance(projection, nn.Linear) else x @ projection
+
+
+def _replace(x: Tensor, replace: Optional[Tensor], mask_token: Optional[Tensor]) -> Tensor:
+    """Put `mask_token` at positions where `replace` [B, N] is True (embedding level)."""
+    if replace is None:
+        return x
+    if mask_token is None:
+        raise ValueError("replace given without mask_token")
+    if replace.shape != x.shape[:2]:
+        raise ValueError(f"replace mask of shape {tuple(replace.shape)} for embeddings {tuple(x.shape)}")
+    return torch.where(replace.unsqueeze(-1), mask_token.to(x.dtype), x)
+
+
+class CLIPEncoders(nn.Module):
+    """Explicit text and image forward passes of an open_clip CLIP (ViT image tower, causal text tower).
+
+    Args:
+        model: an `open_clip.CLIP` with a ViT visual tower (standard blocks, token pooling).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        if not hasattr(model, "token_embedding") or not hasattr(model.visual, "conv1"):
+            raise ValueError("CLIPEncoders needs an open_clip CLIP with a built-in text tower and a ViT")
+        if getattr(model.visual, "attn_pool", None) is not None:
+            raise ValueError("attention-pooled vision towers are not supported")
+        if model.visual.final_ln_after_pool and model.visual.pool_type != "tok":
+            raise ValueError("final_ln_after_pool with non-token pooling is not supported")
+        self.model = model
+
+    @property
+    def text_width(self) -> int:
+        return self.model.token_embedding.embedding_dim
+
+    @property
+    def vision_width(self) -> int:
+        return self.model.visual.conv1.out_channels
+
+    @property
+    def grid_size(self) -> Tuple[int, int]:
+        return tuple(self.model.visual.grid_size)
+
+    def encode_text(self, ids: Tensor, replace: Optional[Tensor] = None, mask_token: Optional[Tensor] = None,
+                    attn: bool = False) -> TextFeatures:
+        """Encode token ids [B, L]; `replace` [B, L] swaps token embeddings for `mask_token`."""
+        m = self.model
+        cast_dtype = m.transformer.get_cast_dtype()
+        x = _replace(m.token_embedding(ids).to(cast_dtype), replace, mask_token)
+        x = x + m.positional_embedding.to(cast_dtype)
+        x, attentions = run_blocks(m.transformer, x, m.attn_mask, need_attn=attn)
+        tokens = _project(m.ln_final(x), m.text_projection)
+        pooled = open_clip.transformer.text_global_pool(
+            tokens, ids, m.text_pool_type, eos_token_id=getattr(m, "text_eos_id", None))
+        return TextFeatures(pooled=pooled, tokens=tokens, attentions=attentions)
+
+    def patch_embeddings(self, images: Tensor) -> Tensor:
+        """conv1 output as a sequence [B, P, width] (before CLS, positions and ln_pre)."""
+        x = self.model.visual.conv1(images)
+        return x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
+
+    def encode_image(self, images: Tensor, replace: Optional[Tensor] = None,
+                     mask_token: Optional[Tensor] = None) -> ImageFeatures:
+        """Encode images [B, 3, H, W]; `replace` [B, P] swaps patch embeddings for `mask_token`."""
+        v = self.model.visual
+        x = _replace(self.patch_embeddings(images), replace, mask_token)
+        cls = v.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
+        x = torch.cat([cls, x], dim=1) + v.positional_embedding.to(x.dtype)
+        x = v.ln_pre(v.patch_dropout(x))
+        x, _ = run_blocks(v.transformer, x)
+        x = v.ln_post(x)
+        pooled = x[:, 1:].mean(dim=1) if v.pool_type == "avg" else x[:, 0]
+        return ImageFeatures(pooled=_project(pooled, v.proj), patches=_project(x[:, 1:], v.proj))

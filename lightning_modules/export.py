@@ -1,0 +1,66 @@
+"""The exported model: `export/open_clip.pt` (CLIP weights only) and `export/model.json`.
+
+`open_clip.create_model_and_transforms(model_json["model"], pretrained=".../open_clip.pt")` rebuilds the
+fine-tuned model unchanged. Tiny models that open_clip does not ship have their config copied to
+`export/model_configs/`, so `load_export` can register it first.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import open_clip
+import torch
+from torch import nn
+
+from lightning_modules.encoders import BuiltModel, build_model
+
+WEIGHTS_FILE = "open_clip.pt"
+METADATA_FILE = "model.json"
+MODEL_CONFIGS_DIR = "model_configs"
+
+
+def _atomic_write_bytes(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def export_model(model: nn.Module, model_name: str, export_dir: Path, extra: Optional[dict] = None) -> Path:
+    """Write the CLIP state dict (fp32) and its metadata atomically; return the weights path."""
+    export_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+             for k, v in model.state_dict().items()}
+    weights = export_dir / WEIGHTS_FILE
+    _atomic_write_bytes(weights, lambda tmp: torch.save(state, tmp))
+    _write_model_config(model_name, export_dir)
+    metadata = {"model": model_name, "weights": WEIGHTS_FILE, **(extra or {})}
+    _atomic_write_bytes(export_dir / METADATA_FILE,
+                        lambda tmp: tmp.write_text(json.dumps(metadata, indent=2, sort_keys=True)))
+    return weights
+
+
+def _write_model_config(model_name: str, export_dir: Path) -> None:
+    config_dir = export_dir / MODEL_CONFIGS_DIR
+    config_dir.mkdir(exist_ok=True)
+    config = open_clip.get_model_config(model_name)
+    _atomic_write_bytes(config_dir / f"{model_name}.json",
+                        lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True)))
+
+
+def read_export_metadata(export_dir: Path) -> dict:
+    path = Path(export_dir) / METADATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {METADATA_FILE} in {export_dir}: not a model export (fit writes "
+                                f"runs/<experiment>/export/ when training ends)")
+    return json.loads(path.read_text())
+
+
+def load_export(export_dir: Path) -> BuiltModel:
+    """Rebuild an exported model (weights, transforms, tokenizer) with plain open_clip."""
+    export_dir = Path(export_dir)
+    metadata = read_export_metadata(export_dir)
+    return build_model(metadata["model"], str(export_dir / metadata["weights"]),
+                       str(export_dir / MODEL_CONFIGS_DIR))

@@ -1,0 +1,153 @@
+"""`python -m lightning_modules.fit --config FILE [--config FILE2] [key=value ...]`: train one method.
+
+The run directory `runs_root/<experiment>/` is stable: running the same command again (or a SLURM requeue)
+resumes from `checkpoints/last.ckpt` and continues the same TensorBoard curves (fixed logger version).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+from datamodules.coco import CocoDataModule
+from lightning_modules import method_class
+from lightning_modules.base import CompositionalCLIPModule
+from lightning_modules.callbacks import ExportCallback, LastCheckpoint
+from lightning_modules.config import ConfigError, load_config, save_config
+
+log = logging.getLogger("lightning_modules.fit")
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[], help="YAML merged over configs/base.yaml, "
+                        "in the order given (repeatable)")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.max_steps=100")
+    return parser.parse_args(argv)
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    return Path(cfg.runs_root) / cfg.experiment
+
+
+def _previous_run_name(run_dir: Path) -> Path:
+    index = 1
+    while run_dir.with_name(f"{run_dir.name}.previous-{index}").exists():
+        index += 1
+    return run_dir.with_name(f"{run_dir.name}.previous-{index}")
+
+
+def prepare_run_dir(cfg: DictConfig) -> Path:
+    """Create the run directory and write the resolved config (rank 0 only).
+
+    With `resume=false`, an existing run directory is moved aside (never deleted) and training starts fresh.
+    """
+    run_dir = run_dir_of(cfg)
+    if rank_zero_only.rank == 0:
+        if not cfg.resume and run_dir.exists():
+            aside = _previous_run_name(run_dir)
+            shutil.move(str(run_dir), str(aside))
+            log.warning("resume=false: moved the previous run directory to %s", aside)
+        save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> Optional[str]:
+    """last.ckpt of this run directory when resuming, else None (a fresh start)."""
+    last = run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
+    if cfg.resume and last.is_file():
+        print(f"Resuming from {last}", flush=True)
+        return str(last)
+    return None
+
+
+def resolve_precision(precision: str) -> str:
+    """"auto": bf16-mixed on GPUs (logits and losses stay fp32 inside the losses), 32 on the CPU."""
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
+def has_validation(cfg: DictConfig) -> bool:
+    return cfg.trainer.limit_val_batches != 0 and bool(cfg.data.val_annotations)
+
+
+def build_callbacks(cfg: DictConfig, run_dir: Path) -> List[L.Callback]:
+    callbacks: List[L.Callback] = [
+        LastCheckpoint(run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, cfg.checkpoint.every_n_steps),
+        ExportCallback(run_dir / "export"),
+    ]
+    if cfg.checkpoint.monitor and has_validation(cfg):
+        callbacks.append(ModelCheckpoint(
+            dirpath=run_dir / CHECKPOINT_DIR, filename="best-{step}", monitor=cfg.checkpoint.monitor,
+            mode=cfg.checkpoint.mode, save_top_k=1, auto_insert_metric_name=False,
+            save_on_train_epoch_end=False))  # only after validation, where the metric is fresh
+    return callbacks
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+    t = cfg.trainer
+    logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version=0, default_hp_metric=False)
+    optional = {key: t[key] for key in ("gradient_clip_val", "val_check_interval", "limit_train_batches",
+                                        "limit_val_batches") if t[key] is not None}
+    if not has_validation(cfg):
+        optional["limit_val_batches"] = 0
+    callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
+    # Without a best-checkpoint callback Lightning would add its own ModelCheckpoint in the logger directory.
+    enable_checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    return L.Trainer(
+        default_root_dir=str(run_dir), logger=logger, callbacks=callbacks, fast_dev_run=t.fast_dev_run,
+        enable_checkpointing=enable_checkpointing,
+        max_steps=t.max_steps, max_epochs=t.max_epochs, precision=resolve_precision(t.precision),
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
+        accumulate_grad_batches=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
+        check_val_every_n_epoch=t.check_val_every_n_epoch, num_sanity_val_steps=t.num_sanity_val_steps,
+        deterministic=t.deterministic, enable_progress_bar=t.enable_progress_bar,
+        use_distributed_sampler=False,  # the datamodule builds seeded DistributedSamplers itself
+        **optional)
+
+
+def build_module(cfg: DictConfig) -> CompositionalCLIPModule:
+    return method_class(cfg.method.name)(cfg)
+
+
+def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> CocoDataModule:
+    return CocoDataModule(cfg.data, module.tokenizer, module.preprocess_train, module.preprocess_val,
+                          seed=cfg.seed)
+
+
+def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+    """Train `cfg` in its run directory, resuming when possible; return the trainer."""
+    run_dir = prepare_run_dir(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    module = build_module(cfg)
+    datamodule = build_datamodule(cfg, module)
+    trainer = build_trainer(cfg, run_dir, extra_callbacks)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_checkpoint(cfg, run_dir))
+    return trainer
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from None
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

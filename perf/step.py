@@ -1,0 +1,167 @@
+"""`python -m perf.step`: training-step time of methods relative to CLIP-FT, measured side by side.
+
+Every variant builds the same model (same seed) and trains on the same batch; steps are interleaved
+(A B C A B C ...) so machine noise hits every variant alike, and the report gives medians and ratios to
+CLIP-FT rather than absolute claims. Memory: on CUDA the peak allocated bytes of a step; on the CPU the
+bytes autograd saves for backward during the forward (the activation memory, which is what differs
+between methods). A benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from lightning_modules import method_class
+from lightning_modules.base import total_loss
+from lightning_modules.config import load_config
+
+# name -> config overrides. Later methods add their variants here.
+VARIANTS: Dict[str, List[str]] = {
+    "clip_ft": [],
+    "negclip": ["method.hard_negatives=true", "data.num_hard_negatives=1"],
+}
+REFERENCE = "clip_ft"
+NEGCLIP_TSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
+FALLBACK_CAPTIONS = ["a red square to the left of a blue circle", "a man riding a horse on a beach",
+                     "two dogs playing with a frisbee in the park", "a plate of food next to a cup of coffee"]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default=",".join(VARIANTS), help=f"comma list of {sorted(VARIANTS)}")
+    parser.add_argument("--model", default="ViT-B-32")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default="32", choices=["32", "bf16"])
+    parser.add_argument("--out", type=Path, default=Path("runs/perf_step.json"))
+    parser.add_argument("overrides", nargs="*", help="config overrides applied to every variant")
+    return parser.parse_args(argv)
+
+
+def real_captions(n: int) -> List[str]:
+    """Real COCO captions (NegCLIP validation TSV) when the shared data is present."""
+    if NEGCLIP_TSV.is_file():
+        rows = NEGCLIP_TSV.read_text().splitlines()[1:n + 1]
+        captions = [row.split("\t")[1] for row in rows]
+        if len(captions) == n:
+            return captions
+    return [FALLBACK_CAPTIONS[i % len(FALLBACK_CAPTIONS)] for i in range(n)]
+
+
+def make_batch(module, batch_size: int, device: str) -> dict:
+    size = module.clip.visual.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    captions = real_captions(batch_size)
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "image": torch.randn(batch_size, 3, size, size, generator=generator).to(device),
+        "text": module.tokenizer(captions).to(device),
+        "neg_text": module.tokenizer(list(reversed(captions))).unsqueeze(1).to(device),
+    }
+
+
+class Variant:
+    """One method configuration with its own model copy and optimizer."""
+
+    def __init__(self, name: str, args: argparse.Namespace):
+        overrides = [f"model.name={args.model}", "model.pretrained=null", *args.overrides, *VARIANTS[name]]
+        cfg = load_config([], overrides)
+        torch.manual_seed(0)
+        self.name = name
+        self.module = method_class(cfg.method.name)(cfg).to(args.device).train()
+        self.optimizer = torch.optim.AdamW(self.module.param_groups(), lr=1e-6)
+        self.batch = make_batch(self.module, args.batch_size, args.device)
+        self.device, self.bf16 = args.device, args.precision == "bf16"
+        self.times: List[float] = []
+        self.memory_bytes = 0
+
+    def _forward(self) -> torch.Tensor:
+        with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16, enabled=self.bf16):
+            terms, _ = self.module.compute_terms(self.batch)
+            return total_loss(terms)
+
+    def step(self, timed: bool) -> None:
+        self._synchronize()
+        start = time.perf_counter()
+        loss = self._forward_measuring_memory()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._synchronize()
+        if timed:
+            self.times.append(time.perf_counter() - start)
+
+    def _forward_measuring_memory(self) -> torch.Tensor:
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            loss = self._forward()
+            self.memory_bytes = max(self.memory_bytes, torch.cuda.max_memory_allocated())
+            return loss
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+            loss = self._forward()
+        self.memory_bytes = max(self.memory_bytes, sum(saved))
+        return loss
+
+    def _synchronize(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+
+def measure(variants: List[Variant], repeats: int, warmup: int) -> None:
+    """Interleaved steps: every round runs each variant once."""
+    for round_index in range(warmup + repeats):
+        for variant in variants:
+            variant.step(timed=round_index >= warmup)
+
+
+def report(variants: List[Variant], args: argparse.Namespace) -> dict:
+    medians = {v.name: statistics.median(v.times) for v in variants}
+    reference = medians.get(REFERENCE)
+    memory_kind = "cuda_peak_allocated" if args.device.startswith("cuda") else "saved_for_backward"
+    return {
+        "model": args.model, "batch_size": args.batch_size, "device": args.device, "precision": args.precision,
+        "repeats": args.repeats, "memory_kind": memory_kind,
+        "methods": {name: {"median_step_s": medians[name],
+                           "ratio_to_clip_ft": medians[name] / reference if reference else None,
+                           "memory_mib": v.memory_bytes / 2 ** 20, "step_times_s": v.times}
+                    for name, v in zip(medians, variants)},
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['model']}, batch {result['batch_size']}, {result['device']}, precision {result['precision']}, "
+          f"median of {result['repeats']} interleaved steps; memory = {result['memory_kind']}")
+    print(f"{'method':<16}{'step (s)':>10}{'x CLIP-FT':>11}{'memory (MiB)':>14}")
+    for name, row in result["methods"].items():
+        ratio = f"{row['ratio_to_clip_ft']:.2f}" if row["ratio_to_clip_ft"] is not None else "-"
+        print(f"{name:<16}{row['median_step_s']:>10.3f}{ratio:>11}{row['memory_mib']:>14.0f}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown perf variants {unknown}; known: {sorted(VARIANTS)}")
+    if REFERENCE not in names:
+        names.insert(0, REFERENCE)
+    variants = [Variant(name, args) for name in names]
+    measure(variants, args.repeats, args.warmup)
+    result = report(variants, args)
+    print_table(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Every shipped YAML validates; typos name the closest key; merge order is base <- files <- overrides."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import open_clip
+import pytest
+
+from lightning_modules import METHODS
+from lightning_modules.config import REPO_ROOT, ConfigError, load_config
+from lightning_modules.encoders import register_model_configs
+
+SHIPPED = sorted(p for p in (REPO_ROOT / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
+
+
+def test_configs_are_found():
+    names = {p.relative_to(REPO_ROOT / "configs").as_posix() for p in SHIPPED}
+    assert {"base.yaml", "clip_ft.yaml", "demo/pretrain.yaml", "demo/clip_ft.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_every_shipped_yaml_validates(path):
+    cfg = load_config([path])
+    assert cfg.method.name in METHODS
+    register_model_configs(cfg.model.config_dir)
+    assert cfg.model.name in open_clip.list_models()
+
+
+def test_typo_in_override_names_the_closest_key():
+    with pytest.raises(ConfigError, match=r"'trainer\.max_stepz'.*did you mean 'trainer\.max_steps'"):
+        load_config([], ["trainer.max_stepz=3"])
+
+
+def test_typo_in_a_file_names_the_file_and_the_closest_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("data:\n  batch_sise: 8\n")
+    with pytest.raises(ConfigError, match=r"data\.batch_sise.*bad\.yaml.*data\.batch_size"):
+        load_config([path])
+
+
+def test_wrong_type_and_bad_choice_are_errors():
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_config([], ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match="on_bad_image"):
+        load_config([], ["data.on_bad_image=ignore"])
+
+
+def test_merge_order(tmp_path):
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("experiment: a\noptim:\n  lr: 0.1\n  warmup_steps: 7\n")
+    second.write_text("optim:\n  lr: 0.2\n")
+    cfg = load_config([first, second], ["experiment=c"])
+    assert (cfg.experiment, cfg.optim.lr, cfg.optim.warmup_steps) == ("c", 0.2, 7)
+    assert cfg.runs_root == "runs"  # from base.yaml
+
+
+def test_missing_file_and_malformed_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([Path("configs/nope.yaml")])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config([], ["trainer.max_steps"])

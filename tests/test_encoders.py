@@ -1,0 +1,155 @@
+"""CLIPEncoders against open_clip's own forward, naive attention, and embedding-level masking."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_modules.encoders import CLIPEncoders, build_model, canonical_model_name
+
+CAPTIONS = ["a red square to the left of a blue circle", "a horse riding a man", "two dogs"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    built = build_model("ViT-Tiny-16-64", None, "configs/models")
+    return built, CLIPEncoders(built.model.eval())
+
+
+def images_for(model, n=3, seed=0):
+    size = model.visual.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ["ViT-Tiny-16-64", "ViT-B-32"])
+def test_plain_outputs_equal_open_clip(name):
+    built = build_model(name, None, "configs/models")
+    model, encoders = built.model.eval(), CLIPEncoders(built.model)
+    ids, images = built.tokenizer(CAPTIONS), images_for(model)
+    with torch.no_grad():
+        assert torch.allclose(encoders.encode_text(ids).pooled, model.encode_text(ids), atol=1e-5)
+        image = encoders.encode_image(images)
+        assert torch.allclose(image.pooled, model.encode_image(images), atol=1e-5)
+    grid = model.visual.grid_size
+    assert image.patches.shape == (3, grid[0] * grid[1], model.visual.output_dim)
+
+
+def test_tokens_hold_the_pooled_feature_at_eos(tiny):
+    built, encoders = tiny
+    ids = built.tokenizer(CAPTIONS)
+    with torch.no_grad():
+        text = encoders.encode_text(ids)
+    eos = ids.argmax(dim=-1)
+    assert torch.equal(text.tokens[torch.arange(len(ids)), eos], text.pooled)
+    assert text.tokens.shape == (3, ids.shape[1], built.model.text_projection.shape[1])
+
+
+def naive_attention(block, x, attn_mask):
+    """Per-head softmax(q k^T / sqrt(d) + mask) written out with the block's weight slices."""
+    width, heads = x.shape[-1], block.attn.num_heads
+    head_dim = width // heads
+    h = block.ln_1(x)
+    w, b = block.attn.in_proj_weight, block.attn.in_proj_bias
+    maps = []
+    for head in range(heads):
+        rows = slice(head * head_dim, (head + 1) * head_dim)
+        q = h @ w[rows].T + b[rows]
+        k = h @ w[width:2 * width][rows].T + b[width:2 * width][rows]
+        maps.append(torch.softmax(q @ k.transpose(-1, -2) / head_dim ** 0.5 + attn_mask, dim=-1))
+    return torch.stack(maps, dim=1)
+
+
+def test_attention_equals_naive_recomputation_and_features_unchanged(tiny):
+    built, encoders = tiny
+    model = built.model
+    ids = built.tokenizer(CAPTIONS)
+    block_inputs = []
+    hooks = [blk.register_forward_pre_hook(lambda mod, args, kw: block_inputs.append(args[0]), with_kwargs=True)
+             for blk in model.transformer.resblocks]
+    with torch.no_grad():
+        model.encode_text(ids)
+    for hook in hooks:
+        hook.remove()
+    with torch.no_grad():
+        plain, with_attn = encoders.encode_text(ids), encoders.encode_text(ids, attn=True)
+    assert len(with_attn.attentions) == len(model.transformer.resblocks)
+    for block, x, probs in zip(model.transformer.resblocks, block_inputs, with_attn.attentions):
+        assert torch.allclose(probs, naive_attention(block, x, model.attn_mask), atol=1e-5)
+        assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
+        assert probs[..., 0, 1:].abs().max() == 0  # causal: SOT attends only to itself
+    assert torch.allclose(with_attn.pooled, plain.pooled, atol=1e-5)
+    assert torch.allclose(with_attn.tokens, plain.tokens, atol=1e-5)
+
+
+def test_attention_stays_in_the_graph(tiny):
+    built, encoders = tiny
+    ids = built.tokenizer(CAPTIONS[:1])
+    attentions = encoders.encode_text(ids, attn=True).attentions
+    eos = int(ids.argmax())
+    attentions[-1][0, :, eos, 1:eos].sum().backward()
+    grads = [blk.attn.in_proj_weight.grad for blk in built.model.transformer.resblocks]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    built.model.zero_grad(set_to_none=True)
+
+
+def test_text_mask_token_replaces_embedding_before_positions(tiny):
+    """Replacing by the embedding row of token t == feeding token t (positions added afterwards)."""
+    built, encoders = tiny
+    ids = built.tokenizer(CAPTIONS)
+    replace = torch.zeros_like(ids, dtype=torch.bool)
+    replace[0, 2], replace[1, 3], replace[1, 4] = True, True, True
+    substitute_id = 1125
+    mask_token = built.model.token_embedding.weight[substitute_id].detach().clone()
+    edited = ids.clone()
+    edited[replace] = substitute_id
+    with torch.no_grad():
+        masked = encoders.encode_text(ids, replace=replace, mask_token=mask_token)
+        expected = encoders.encode_text(edited)
+        untouched = encoders.encode_text(ids, replace=torch.zeros_like(replace), mask_token=mask_token)
+    assert torch.allclose(masked.tokens, expected.tokens, atol=1e-5)
+    assert torch.allclose(untouched.pooled, encoders.encode_text(ids).pooled, atol=1e-6)
+    assert not torch.allclose(masked.pooled[0], untouched.pooled[0], atol=1e-3)
+    assert torch.allclose(masked.pooled[2], untouched.pooled[2], atol=1e-6)  # row without masked tokens
+
+
+def test_image_mask_token_replaces_patch_embedding_before_positions(tiny):
+    """Replacing patch k by the embedding of another image's patch == pasting that patch's pixels."""
+    built, encoders = tiny
+    model = built.model
+    images = images_for(model, n=2, seed=1)
+    source = images_for(model, n=1, seed=2)
+    patch = model.visual.patch_size[0]
+    grid = model.visual.grid_size[1]
+    k = 5
+    row, col = divmod(k, grid)
+    pixels = (slice(None), slice(None), slice(row * patch, (row + 1) * patch), slice(col * patch, (col + 1) * patch))
+    with torch.no_grad():
+        mask_token = encoders.patch_embeddings(source)[0, k]
+        pasted = images.clone()
+        pasted[pixels] = source[pixels].expand(2, -1, -1, -1)
+        replace = torch.zeros(2, grid * grid, dtype=torch.bool)
+        replace[:, k] = True
+        masked = encoders.encode_image(images, replace=replace, mask_token=mask_token)
+        assert torch.allclose(masked.pooled, model.encode_image(pasted), atol=1e-5)
+        assert not torch.allclose(masked.pooled, model.encode_image(images), atol=1e-3)
+
+
+def test_replace_needs_a_mask_token_and_the_right_shape(tiny):
+    built, encoders = tiny
+    ids = built.tokenizer(CAPTIONS)
+    with pytest.raises(ValueError, match="mask_token"):
+        encoders.encode_text(ids, replace=torch.zeros_like(ids, dtype=torch.bool))
+    with pytest.raises(ValueError, match="shape"):
+        encoders.encode_text(ids, replace=torch.zeros(3, 5, dtype=torch.bool), mask_token=torch.zeros(64))
+
+
+def test_openai_weights_are_built_with_quickgelu():
+    assert canonical_model_name("ViT-B-32", "openai") == "ViT-B-32-quickgelu"
+    assert canonical_model_name("ViT-B-32-quickgelu", "openai") == "ViT-B-32-quickgelu"
+    assert canonical_model_name("ViT-B-32", None) == "ViT-B-32"
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown open_clip model"):
+        build_model("ViT-B-33", None, "configs/models")

@@ -1,0 +1,197 @@
+"""End to end: fit on a tiny shapes world, resume parity, gradients of every method, export, NaN guard, CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import open_clip
+import pytest
+import torch
+
+from datamodules.shapes import generate
+from lightning_modules import METHODS
+from lightning_modules.base import NonFiniteLossError, total_loss
+from lightning_modules.config import REPO_ROOT, load_config
+from lightning_modules.export import load_export
+from lightning_modules.fit import build_datamodule, build_module, run
+
+TINY = "ViT-Tiny-16-64"
+STEPS_PER_EPOCH = 4  # 32 captions / batch 8
+
+
+@pytest.fixture(scope="session")
+def shapes_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shapes")
+    generate(root, n_train=16, n_val=8, image_size=64, seed=0)  # 2 captions per image
+    return root
+
+
+def tiny_config(shapes_root: Path, runs_root: Path, *overrides: str):
+    return load_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
+        f"model.name={TINY}", f"data.root={shapes_root}", f"runs_root={runs_root}", "data.batch_size=8",
+        "data.num_workers=0", "trainer.enable_progress_bar=false", "optim.warmup_steps=2", "optim.lr=1e-3",
+        "trainer.log_every_n_steps=1", *overrides])
+
+
+def a_batch(module, cfg) -> dict:
+    datamodule = build_datamodule(cfg, module)
+    datamodule.setup("fit")
+    return next(iter(datamodule.train_dataloader()))
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_fast_dev_run_of_every_method(shapes_root, tmp_path, method):
+    cfg = tiny_config(shapes_root, tmp_path, f"method.name={method}", "trainer.fast_dev_run=2")
+    trainer = run(cfg)
+    assert trainer.global_step == 2
+    assert (tmp_path / "demo_pretrain" / "export" / "open_clip.pt").is_file()
+
+
+@pytest.mark.parametrize("method,extra", [(name, []) for name in sorted(METHODS)] + [
+    ("clip_ft", ["method.hard_negatives=true", "data.num_hard_negatives=3"])])
+def test_every_trainable_parameter_receives_a_gradient(shapes_root, tmp_path, method, extra):
+    cfg = tiny_config(shapes_root, tmp_path, f"method.name={method}", *extra)
+    L.seed_everything(0)
+    module = build_module(cfg).train()
+    terms, _ = module.compute_terms(a_batch(module, cfg))
+    total_loss(terms).backward()
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+        else:
+            assert param.grad is None, name
+
+
+def test_hard_negatives_change_the_objective(shapes_root, tmp_path):
+    plain = tiny_config(shapes_root, tmp_path, "data.num_hard_negatives=3")
+    negclip = tiny_config(shapes_root, tmp_path, "data.num_hard_negatives=3", "method.hard_negatives=true")
+    losses = []
+    for cfg in (plain, negclip):
+        L.seed_everything(0)
+        module = build_module(cfg).train()
+        losses.append(module.compute_terms(a_batch(module, cfg))[0]["itc_loss"])
+    assert losses[1] > losses[0]  # extra negative columns can only raise the image-to-text loss
+
+
+class StopAfter(L.Callback):
+    """Stands in for a killed job: stop at `steps` (the epoch boundary, where last.ckpt was just written)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+def exported_state(run_dir: Path) -> dict:
+    return torch.load(run_dir / "export" / "open_clip.pt")
+
+
+def test_resume_equals_uninterrupted_training(shapes_root, tmp_path, capfd):
+    """N steps + stop + rerun of the same command == 2N uninterrupted steps (with random crops on)."""
+    steps = 2 * STEPS_PER_EPOCH
+    overrides = (f"trainer.max_steps={steps}", "data.train_augment=true", "trainer.limit_val_batches=0")
+    run(tiny_config(shapes_root, tmp_path / "a", *overrides), extra_callbacks=[StopAfter(STEPS_PER_EPOCH)])
+    last = tmp_path / "a" / "demo_pretrain" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == STEPS_PER_EPOCH
+    resumed = run(tiny_config(shapes_root, tmp_path / "a", *overrides))
+    assert "Resuming from" in capfd.readouterr().out
+    straight = run(tiny_config(shapes_root, tmp_path / "b", *overrides))
+    assert resumed.global_step == straight.global_step == steps
+    a, b = exported_state(tmp_path / "a" / "demo_pretrain"), exported_state(tmp_path / "b" / "demo_pretrain")
+    start = load_export_state_of_random_init(shapes_root, tmp_path)
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # it trained
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6), key
+
+
+def load_export_state_of_random_init(shapes_root, tmp_path) -> dict:
+    L.seed_everything(0)
+    return {k: v.float() for k, v in build_module(tiny_config(shapes_root, tmp_path)).clip.state_dict().items()}
+
+
+def test_resume_false_moves_the_old_run_aside(shapes_root, tmp_path):
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0"))
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0", "resume=false"))
+    assert (tmp_path / "demo_pretrain.previous-1" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "demo_pretrain" / "config.yaml").is_file()
+
+
+def test_export_loads_in_plain_open_clip_with_identical_features(shapes_root, tmp_path):
+    cfg = tiny_config(shapes_root, tmp_path, "trainer.max_steps=3")
+    trainer = run(cfg)
+    module = trainer.lightning_module.eval()
+    export_dir = tmp_path / "demo_pretrain" / "export"
+    meta = json.loads((export_dir / "model.json").read_text())
+    assert meta["model"] == TINY and meta["global_step"] == 3
+    open_clip.add_model_config(export_dir / "model_configs")
+    model, _, preprocess = open_clip.create_model_and_transforms(meta["model"], pretrained=str(export_dir / "open_clip.pt"))
+    model.eval()
+    ids = module.tokenizer(["a red square left of a blue circle", "a small green triangle"])
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(model.encode_text(ids), module.encoders.encode_text(ids).pooled, atol=1e-5)
+        assert torch.allclose(model.encode_image(images), module.encoders.encode_image(images).pooled, atol=1e-5)
+        rebuilt = load_export(export_dir).model.eval()
+        assert torch.allclose(rebuilt.encode_image(images), model.encode_image(images), atol=1e-6)
+
+
+def test_best_checkpoint_and_tensorboard_and_resolved_config(shapes_root, tmp_path):
+    run(tiny_config(shapes_root, tmp_path, f"trainer.max_steps={2 * STEPS_PER_EPOCH}"))
+    run_dir = tmp_path / "demo_pretrain"
+    assert len(list((run_dir / "checkpoints").glob("best-*.ckpt"))) == 1
+    assert list((run_dir / "tb" / "version_0").glob("events.out.tfevents.*"))
+    saved = load_config([run_dir / "config.yaml"], base=None)
+    assert saved.model.name == TINY and saved.data.batch_size == 8
+
+
+class NanAtStep(L.Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            batch["image"].fill_(float("nan"))
+
+
+def test_non_finite_loss_stops_with_the_step_and_terms_and_keeps_the_checkpoint(shapes_root, tmp_path):
+    cfg = tiny_config(shapes_root, tmp_path, "trainer.max_steps=6", "checkpoint.every_n_steps=2",
+                      "trainer.limit_val_batches=0")
+    with pytest.raises(NonFiniteLossError, match=r"global step 3.*itc_loss=nan"):
+        run(cfg, extra_callbacks=[NanAtStep(3)])
+    checkpoint = torch.load(tmp_path / "demo_pretrain" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 2
+    assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "lightning_modules.fit", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_trains_resumes_and_rejects_typos(shapes_root, tmp_path):
+    args = ["--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), f"model.name={TINY}",
+            f"model.config_dir={REPO_ROOT / 'configs' / 'models'}", f"data.root={shapes_root}",
+            "data.batch_size=8", "data.num_workers=0", "trainer.max_steps=2", "trainer.enable_progress_bar=false"]
+    first = cli(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "Resuming" not in first.stdout
+    assert (tmp_path / "runs" / "demo_pretrain" / "export" / "model.json").is_file()
+    second = cli(*args, "trainer.max_steps=3", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "Resuming from runs/demo_pretrain/checkpoints/last.ckpt" in second.stdout
+    assert json.loads((tmp_path / "runs" / "demo_pretrain" / "export" / "model.json").read_text())["global_step"] == 3
+    typo = cli(*args, "trainer.max_stepz=3", cwd=tmp_path)
+    assert typo.returncode != 0
+    assert "did you mean 'trainer.max_steps'" in typo.stderr
+
+
+def test_unknown_method_lists_the_registered_ones(shapes_root, tmp_path):
+    with pytest.raises(KeyError, match="clip_ft"):
+        build_module(tiny_config(shapes_root, tmp_path, "method.name=clip_fft"))

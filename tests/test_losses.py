@@ -1,0 +1,138 @@
+"""ClipLoss against a slow reference, in fp32 under autocast, and exact under 2 real gloo processes."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from lightning_modules.losses import ClipLoss
+
+BATCH, DIM, NEGATIVES, WORLD = 4, 6, 2, 2
+
+
+def reference_clip_loss(images, texts, scale, negatives=None):
+    """InfoNCE written out one anchor at a time."""
+    n = images.shape[0]
+    columns = [texts[j] for j in range(n)]
+    if negatives is not None:
+        columns += [negatives[i, k] for i in range(n) for k in range(negatives.shape[1])]
+    i2t, t2i = 0.0, 0.0
+    for i in range(n):
+        scores = torch.stack([scale * images[i].dot(c) for c in columns])
+        i2t = i2t - (scores[i] - torch.logsumexp(scores, 0))
+        scores = torch.stack([scale * texts[i].dot(images[j]) for j in range(n)])
+        t2i = t2i - (scores[i] - torch.logsumexp(scores, 0))
+    return (i2t / n + t2i / n) / 2
+
+
+def unit(*shape, seed=0):
+    return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), dim=-1)
+
+
+@pytest.mark.parametrize("with_negatives", [False, True])
+def test_matches_slow_reference(with_negatives):
+    images, texts = unit(BATCH, DIM, seed=1), unit(BATCH, DIM, seed=2)
+    negatives = unit(BATCH, NEGATIVES, DIM, seed=3) if with_negatives else None
+    scale = torch.tensor(7.0, dtype=torch.float64)
+    loss = ClipLoss()(images, texts, scale, negatives)
+    expected = reference_clip_loss(images.float(), texts.float(), scale.float(),
+                                   None if negatives is None else negatives.float())
+    assert torch.allclose(loss, expected, atol=1e-5), (loss, expected)
+
+
+def test_hard_negatives_raise_the_loss_and_perfect_alignment_is_near_zero():
+    texts = unit(BATCH, DIM, seed=2)
+    scale = torch.tensor(100.0)
+    aligned = ClipLoss()(texts.float(), texts.float(), scale)
+    assert aligned < 1e-3
+    negatives = texts.float().unsqueeze(1).repeat(1, 2, 1)  # negatives identical to the positives
+    # image-to-text now ties 3 ways (log 3); text-to-image stays ~0: mean log(3) / 2
+    loss = ClipLoss()(texts.float(), texts.float(), scale, negatives)
+    assert abs(loss - math.log(3) / 2) < 1e-3
+
+
+def test_logits_in_fp32_under_bf16_autocast():
+    images, texts = unit(BATCH, DIM, seed=4).bfloat16(), unit(BATCH, DIM, seed=5).bfloat16()
+    scale = torch.tensor(100.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ClipLoss()(images, texts, scale)
+    assert loss.dtype == torch.float32
+    expected = reference_clip_loss(images.float(), texts.float(), scale)
+    assert torch.allclose(loss, expected, atol=1e-5)
+
+
+# ----- 2-process gloo parity ----------------------------------------------------------------------------
+class TwoTowers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = torch.nn.Linear(8, DIM)
+        self.text = torch.nn.Linear(5, DIM)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(math.log(10.0)))
+
+    def forward(self, x_image, x_text, x_neg, loss_fn):
+        image = F.normalize(self.image(x_image), dim=-1)
+        text = F.normalize(self.text(x_text), dim=-1)
+        negatives = F.normalize(self.text(x_neg), dim=-1) if x_neg is not None else None
+        return loss_fn(image, text, self.logit_scale.exp(), negatives)
+
+
+def global_batch(with_negatives):
+    g = torch.Generator().manual_seed(123)
+    n = BATCH * WORLD
+    neg = torch.randn(n, NEGATIVES, 5, generator=g) if with_negatives else None
+    return torch.randn(n, 8, generator=g), torch.randn(n, 5, generator=g), neg
+
+
+def loss_and_grads(rank_slice, with_negatives, local_loss, gather_with_grad):
+    """Loss and gradients on the slice (whole batch when rank_slice is None)."""
+    model = TwoTowers()
+    loss_fn = ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)  # before any process group
+    x_image, x_text, x_neg = global_batch(with_negatives)
+    if rank_slice is not None:
+        x_image, x_text = x_image[rank_slice], x_text[rank_slice]
+        x_neg = x_neg[rank_slice] if x_neg is not None else None
+    loss = model(x_image, x_text, x_neg, loss_fn)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank, init_file, options, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        loss, grads = loss_and_grads(slice(rank * BATCH, (rank + 1) * BATCH), *options)
+        dist.all_reduce(loss)  # what sync_dist logging reports: the mean over ranks
+        for grad in grads.values():  # what DDP does to gradients: the mean over ranks
+            dist.all_reduce(grad)
+            grad /= WORLD
+        torch.save({"loss": loss / WORLD, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("with_negatives,local_loss", [(False, True), (True, True), (True, False)])
+def test_two_gloo_processes_match_the_big_batch(tmp_path, with_negatives, local_loss):
+    options = (with_negatives, local_loss, True)
+    mp.start_processes(_worker, args=(str(tmp_path / "init"), options, str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn")
+    expected_loss, expected_grads = loss_and_grads(None, *options)
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.allclose(result["loss"], expected_loss, atol=1e-5)
+        for name, grad in expected_grads.items():
+            assert torch.allclose(result["grads"][name], grad, atol=1e-5), name
+
+
+def test_gather_without_grad_loses_other_ranks_gradient(tmp_path):
+    """The exact setting matters: gathering as constants under-counts gradients (the test can tell)."""
+    options = (False, True, False)
+    mp.start_processes(_worker, args=(str(tmp_path / "init"), options, str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn")
+    _, expected_grads = loss_and_grads(None, *options)
+    result = torch.load(tmp_path / "rank0.pt")
+    assert not torch.allclose(result["grads"]["image.weight"], expected_grads["image.weight"], atol=1e-5)
