@@ -12,7 +12,6 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -34,6 +33,23 @@ def check_equal_batches(local_batch: int, world_size: int, device: torch.device)
                            f"for training data")
 
 
+class _AllGatherWithGrad(torch.autograd.Function):
+    """all_gather along dim 0 whose backward hands each rank the sum over ranks of its slice's gradient."""
+
+    @staticmethod
+    def forward(ctx, features: Tensor) -> Tensor:
+        ctx.rank, ctx.batch = dist.get_rank(), features.shape[0]
+        slices = [torch.empty_like(features) for _ in range(dist.get_world_size())]
+        dist.all_gather(slices, features.contiguous())
+        return torch.cat(slices, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)  # every rank's loss depends on every slice
+        return grad[ctx.rank * ctx.batch:(ctx.rank + 1) * ctx.batch]
+
+
 def gather_features(features: Tensor, rank: int, world_size: int, with_grad: bool) -> Tensor:
     """Concatenate `features` [B, ...] of every rank in rank order -> [W*B, ...].
 
@@ -43,7 +59,7 @@ def gather_features(features: Tensor, rank: int, world_size: int, with_grad: boo
     if world_size == 1:
         return features
     if with_grad:
-        return torch.cat(dist_fn.all_gather(features), dim=0)
+        return _AllGatherWithGrad.apply(features)
     slices = [torch.zeros_like(features) for _ in range(world_size)]
     dist.all_gather(slices, features.detach())
     slices[rank] = features

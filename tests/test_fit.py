@@ -11,6 +11,7 @@ import lightning as L
 import open_clip
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from datamodules.shapes import generate
 from lightning_modules import METHODS
@@ -43,9 +44,11 @@ def a_batch(module, cfg) -> dict:
     return next(iter(datamodule.train_dataloader()))
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
-def test_fast_dev_run_of_every_method(shapes_root, tmp_path, method):
-    cfg = tiny_config(shapes_root, tmp_path, f"method.name={method}", "trainer.fast_dev_run=2")
+@pytest.mark.parametrize("method,precision", [(name, "32-true") for name in sorted(METHODS)] +
+                         [("clip_ft", "bf16-mixed")])
+def test_fast_dev_run_of_every_method(shapes_root, tmp_path, method, precision):
+    cfg = tiny_config(shapes_root, tmp_path, f"method.name={method}", "trainer.fast_dev_run=2",
+                      f"trainer.precision={precision}")
     trainer = run(cfg)
     assert trainer.global_step == 2
     assert (tmp_path / "demo_pretrain" / "export" / "open_clip.pt").is_file()
@@ -145,7 +148,12 @@ def test_best_checkpoint_and_tensorboard_and_resolved_config(shapes_root, tmp_pa
     run(tiny_config(shapes_root, tmp_path, f"trainer.max_steps={2 * STEPS_PER_EPOCH}"))
     run_dir = tmp_path / "demo_pretrain"
     assert len(list((run_dir / "checkpoints").glob("best-*.ckpt"))) == 1
-    assert list((run_dir / "tb" / "version_0").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(run_dir / "tb" / "version_0"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/itc_loss", "train/logit_scale", "train/data/bad_image", "train/data/truncated",
+            "val/loss", "val/itc_loss", "lr/backbone", "lr/logit_scale"} <= tags, tags
+    assert len(events.Scalars("train/itc_loss")) == 2 * STEPS_PER_EPOCH  # logged every step
     saved = load_config([run_dir / "config.yaml"], base=None)
     assert saved.model.name == TINY and saved.data.batch_size == 8
 
@@ -170,6 +178,7 @@ def test_non_finite_loss_stops_with_the_step_and_terms_and_keeps_the_checkpoint(
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.run([sys.executable, "-m", "lightning_modules.fit", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -195,3 +204,19 @@ def test_cli_trains_resumes_and_rejects_typos(shapes_root, tmp_path):
 def test_unknown_method_lists_the_registered_ones(shapes_root, tmp_path):
     with pytest.raises(KeyError, match="clip_ft"):
         build_module(tiny_config(shapes_root, tmp_path, "method.name=clip_fft"))
+
+
+def test_ddp_on_two_processes_equals_one_process_with_the_global_batch(shapes_root, tmp_path):
+    """2 gloo ranks x batch 4 see the same samples and augmentations as 1 process x batch 8 (sharding
+    interleaves the seeded permutation), and the exact gathered loss makes the updates equal."""
+    common = ["--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), f"model.name={TINY}",
+              f"data.root={shapes_root}", "data.num_workers=0", "trainer.max_steps=3",
+              "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false"]
+    ddp = cli(*common, "data.batch_size=4", "trainer.devices=2", "trainer.strategy=ddp", cwd=tmp_path / "ddp")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    single = cli(*common, "data.batch_size=8", cwd=tmp_path / "single")
+    assert single.returncode == 0, single.stderr[-3000:]
+    a = exported_state(tmp_path / "ddp" / "runs" / "demo_pretrain")
+    b = exported_state(tmp_path / "single" / "runs" / "demo_pretrain")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5), key
