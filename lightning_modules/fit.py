@@ -125,7 +125,8 @@ def build_module(cfg: DictConfig) -> CompositionalCLIPModule:
 
 def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> CocoDataModule:
     return CocoDataModule(cfg.data, module.tokenizer, module.preprocess_train, module.preprocess_val,
-                          seed=cfg.seed)
+                          seed=cfg.seed, preprocess=cfg.preprocess,
+                          image_config=module.clip.visual.preprocess_cfg, grid_size=module.encoders.grid_size[0])
 
 
 def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:

@@ -20,8 +20,8 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from datamodules.coco import (CocoCaptions, CocoDataModule, UnreadableImageError, build_dataloader,
-                              read_annotation_file, read_negclip_tsv)
+from datamodules.annotations import read_annotation_file, read_negclip_tsv
+from datamodules.coco import CocoCaptions, CocoDataModule, UnreadableImageError, build_dataloader
 from lightning_modules.config import DataConfig
 
 REAL_NEGCLIP_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"

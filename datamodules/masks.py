@@ -1,0 +1,89 @@
+"""Per-sample text and patch masks from the preprocessing cache, in compact numpy form.
+
+Token masks (`obj_mask`, `comp_mask`) are computed once per caption when the dataset is built (the spans are
+fixed); the patch mask is drawn per sample: with probability `random_rectangle_prob` a random rectangle of
+the patch grid, otherwise the boxes of one phrase of the caption, sampled uniformly, mapped through the
+sample's crop (MACCO). Everything is stored in flat numpy arrays indexed by offsets, so forked DataLoader
+workers share it instead of copying Python objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from parsers.grounding import boxes_to_patch_mask, random_rectangle_mask
+from parsers.token_alignment import caption_masks
+
+
+@dataclass
+class PatchGeometry:
+    """Where a sample's pixels land on the ViT patch grid."""
+
+    image_size: int
+    grid_size: int
+    min_overlap: float = 0.0
+    random_rectangle_prob: float = 0.1
+
+
+class CaptionMasks:
+    """Masks of the dataset's samples, in dataset order.
+
+    Args:
+        records: cache records of the kept samples, in dataset order (caption, obj/comp spans, phrases).
+        tokenizer: the model's open_clip tokenizer.
+        context_length: L of the token masks.
+    """
+
+    def __init__(self, records: Sequence[dict], tokenizer, context_length: int):
+        self.obj, self.comp = self._token_masks(records, tokenizer, context_length)
+        self.phrase_offsets, self.box_offsets, self.boxes = _flatten_phrase_boxes(records)
+
+    @staticmethod
+    def _token_masks(records: Sequence[dict], tokenizer, context_length: int) -> Tuple[np.ndarray, np.ndarray]:
+        obj = np.zeros((len(records), context_length), dtype=bool)
+        comp = np.zeros_like(obj)
+        for row, record in enumerate(records):
+            obj[row], comp[row] = caption_masks(record["caption"], [tuple(s) for s in record["obj_spans"]],
+                                                [tuple(s) for s in record["comp_spans"]], tokenizer, context_length)
+        return np.packbits(obj, axis=1), np.packbits(comp, axis=1)
+
+    def token_masks(self, index: int, context_length: int) -> Tuple[np.ndarray, np.ndarray]:
+        unpack = lambda bits: np.unpackbits(bits, count=context_length).astype(bool)  # noqa: E731
+        return unpack(self.obj[index]), unpack(self.comp[index])
+
+    def phrase_boxes(self, index: int, phrase: int) -> np.ndarray:
+        """Boxes [K, 4] (original pixels, xyxy) of the caption's `phrase`-th phrase."""
+        flat = self.phrase_offsets[index] + phrase
+        return self.boxes[self.box_offsets[flat]:self.box_offsets[flat + 1]]
+
+    def num_phrases(self, index: int) -> int:
+        return int(self.phrase_offsets[index + 1] - self.phrase_offsets[index])
+
+    def draw_phrase_boxes(self, index: int, rng: np.random.Generator, geometry: PatchGeometry) -> Optional[np.ndarray]:
+        """Boxes of one uniformly sampled phrase; None means "use a random rectangle" (prob. 0.1 in MACCO)."""
+        if rng.random() < geometry.random_rectangle_prob:
+            return None
+        count = self.num_phrases(index)
+        return self.phrase_boxes(index, int(rng.integers(count))) if count else np.zeros((0, 4), np.float32)
+
+    @staticmethod
+    def patch_mask(boxes: Optional[np.ndarray], crop, rng: np.random.Generator, geometry: PatchGeometry) -> np.ndarray:
+        if boxes is None:
+            return random_rectangle_mask(rng, geometry.grid_size)
+        return boxes_to_patch_mask(boxes, crop, geometry.image_size, geometry.grid_size, geometry.min_overlap)
+
+
+def _flatten_phrase_boxes(records: Iterable[dict]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    phrase_counts: List[int] = []
+    box_counts: List[int] = []
+    boxes: List[List[float]] = []
+    for record in records:
+        phrase_counts.append(len(record["phrases"]))
+        for phrase in record["phrases"]:
+            box_counts.append(len(phrase["boxes"]))
+            boxes.extend(box[:4] for box in phrase["boxes"])
+    phrase_offsets = np.concatenate([[0], np.cumsum(phrase_counts)]).astype(np.int64)
+    box_offsets = np.concatenate([[0], np.cumsum(box_counts)]).astype(np.int64)
+    return phrase_offsets, box_offsets, np.asarray(boxes, dtype=np.float32).reshape(-1, 4)

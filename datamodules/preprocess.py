@@ -1,0 +1,251 @@
+"""`python -m datamodules.preprocess --config FILE [--shard i/n] [key=value ...]`: parse and ground, offline.
+
+Every caption of the configured train/val annotation files is parsed into a scene graph (spaCy), and every
+grounding phrase is grounded in its image (GroundingDINO, ground-truth boxes, or nothing). Results go to a
+sharded cache (datamodules/cache.py) keyed by the annotation file's content, the parser settings and the
+grounder settings; the DataModule reads it and never parses or grounds at training time.
+
+Rerunning skips finished shards, so an interrupted job resumes; `--shard i/n` processes the shards whose
+index is i modulo n, so a SLURM array (or one process per GPU) splits the work without coordination.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from tqdm import tqdm
+
+from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
+from datamodules.cache import COUNT_KEYS, ShardedCache, cache_key, file_sha256, open_cache, write_json
+from parsers.grounding import GroundingRequest, build_grounder
+from parsers.scene_graph import SceneGraph, SceneGraphParser
+
+log = logging.getLogger("datamodules.preprocess")
+
+SPLITS = ("train", "val")
+
+
+@dataclass
+class SplitSource:
+    """Where one split's captions and images are."""
+
+    split: str
+    annotations: Path
+    images: Path
+    karpathy_splits: Tuple[str, ...]
+    scene_graphs: Optional[Path] = None
+
+    def records(self) -> List[CaptionRecord]:
+        return read_annotation_file(str(self.annotations), self.karpathy_splits)
+
+
+def split_sources(data, prep) -> List[SplitSource]:
+    """The configured splits that have an annotation file (`data` and `preprocess` config sections)."""
+    root = Path(data.root)
+    sources = []
+    for split in SPLITS:
+        annotations = data[f"{split}_annotations"]
+        if not annotations:
+            continue
+        scene_graphs = prep[f"{split}_scene_graphs"]
+        sources.append(SplitSource(split, root / annotations, root / data[f"{split}_images"],
+                                   tuple(data[f"{split}_karpathy_splits"]),
+                                   root / scene_graphs if scene_graphs else None))
+    return sources
+
+
+def mask_records(data, prep, split: str) -> Dict[int, dict]:
+    """The finished cache of one split, by caption id (what the DataModule reads with data.masks=true)."""
+    source = next(s for s in split_sources(data, prep) if s.split == split)
+    grounder = make_grounder(data, prep)
+    cache = open_cache(cache_directory(prep.cache_root, cache_settings(source, build_parser(prep), grounder)))
+    return {record["caption_id"]: record for record in cache.read_all()}
+
+
+def build_parser(prep) -> SceneGraphParser:
+    return SceneGraphParser(model=prep.parser_model, batch_size=prep.parser_batch_size)
+
+
+def grounder_options(data, prep) -> Tuple[str, dict]:
+    """The grounder's registry name and constructor options from the `preprocess` config section."""
+    if prep.grounder == "groundingdino":
+        return "groundingdino", dict(
+            config_file=prep.groundingdino_config, checkpoint=prep.groundingdino_checkpoint,
+            text_encoder=prep.text_encoder, box_threshold=prep.box_threshold,
+            text_threshold=prep.text_threshold, image_size=prep.grounding_image_size,
+            batch_size=prep.grounding_batch_size, device=_device(prep.device))
+    if prep.grounder == "annotations":
+        instances = str(Path(data.root) / prep.instances) if prep.instances else None
+        return "annotations", dict(instances_json=instances)
+    return "none", {}
+
+
+def make_grounder(data, prep):
+    name, options = grounder_options(data, prep)
+    return build_grounder(name, **options)
+
+
+def _device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch  # only the GroundingDINO path needs torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cache_settings(source: SplitSource, parser: SceneGraphParser, grounder) -> dict:
+    """Everything that changes the cached records of one split (the cache key hashes this)."""
+    settings = {"annotations_sha256": file_sha256(source.annotations), "parser": parser.settings(),
+                "grounder": grounder.settings()}
+    if source.annotations.suffix == ".json":
+        settings["karpathy_splits"] = list(source.karpathy_splits)
+    if source.scene_graphs is not None:
+        settings["scene_graphs_sha256"] = file_sha256(source.scene_graphs)
+    return settings
+
+
+def cache_directory(cache_root: str, settings: dict) -> Path:
+    return Path(cache_root) / cache_key(settings)
+
+
+# ----- one shard --------------------------------------------------------------------------------------
+def gt_phrases_by_caption(scene_graphs: Optional[Path]) -> Dict[int, List[dict]]:
+    """Ground-truth phrases (text + boxes) per caption id, from a shapes-world scene-graph file."""
+    if scene_graphs is None:
+        return {}
+    document = json.loads(Path(scene_graphs).read_text())
+    return {caption["caption_id"]: caption["phrases"] for image in document["images"]
+            for caption in image["captions"]}
+
+
+def image_requests(records: Sequence[CaptionRecord], graphs: Sequence[SceneGraph], images: Path,
+                   gt_phrases: Dict[int, List[dict]]) -> List[GroundingRequest]:
+    """One request per image, with the unique phrases of all its captions (each image is read once)."""
+    phrases, gt, path_of = defaultdict(dict), defaultdict(list), {}
+    for record, graph in zip(records, graphs):
+        path_of[record.image_id] = _image_path(images, record.file_name)
+        phrases[record.image_id].update(dict.fromkeys(p.text for p in graph.phrases))
+        gt[record.image_id].extend(gt_phrases.get(record.caption_id, []))
+    return [GroundingRequest(image_path=path_of[image_id], phrases=list(phrases[image_id]), image_id=image_id,
+                             gt_phrases=gt[image_id] or None) for image_id in path_of]
+
+
+def _image_path(images: Path, file_name: str) -> str:
+    candidates = image_path_candidates(str(images), file_name)
+    return existing_path(candidates) or candidates[0]
+
+
+def caption_record(record: CaptionRecord, graph: SceneGraph, boxes_of: Dict[str, list]) -> dict:
+    """What the DataModule needs of one caption: spans for token masks, phrases with boxes."""
+    return {
+        "caption_id": record.caption_id, "image_id": record.image_id, "caption": record.caption,
+        "obj_spans": [[s.start, s.end] for s in graph.object_spans()],
+        "comp_spans": [[s.start, s.end] for s in graph.composition_spans()],
+        "phrases": [{"text": p.text, "kind": p.kind, "boxes": [list(b) for b in boxes_of.get(p.text, [])]}
+                    for p in graph.phrases],
+        "graph": graph.to_dict(),
+    }
+
+
+def shard_counts(rows: List[dict], unreadable_images: int) -> Dict[str, int]:
+    phrases = [p for row in rows for p in row["phrases"]]
+    grounded = sum(1 for p in phrases if p["boxes"])
+    counts = {"captions": len(rows), "parsed": sum(1 for row in rows if row["graph"]["entities"]),
+              "no_object": sum(1 for row in rows if not row["obj_spans"]),
+              "no_composition": sum(1 for row in rows if not row["comp_spans"]),
+              "phrases": len(phrases), "grounded": grounded, "phrases_without_boxes": len(phrases) - grounded,
+              "unreadable_images": unreadable_images}
+    assert set(counts) == set(COUNT_KEYS)
+    return counts
+
+
+def process_shard(records: Sequence[CaptionRecord], parser: SceneGraphParser, grounder, source: SplitSource,
+                  gt_phrases: Dict[int, List[dict]]) -> Tuple[List[dict], Dict[str, int]]:
+    graphs = parser.parse([record.caption for record in records])
+    requests = image_requests(records, graphs, source.images, gt_phrases)
+    unreadable_before = len(grounder.unreadable_images)
+    boxes = grounder.ground(requests)  # every grounder decodes each image and records the unreadable ones
+    unreadable = grounder.unreadable_images[unreadable_before:]
+    boxes_by_image = {req.image_id: dict(zip(req.phrases, per_phrase)) for req, per_phrase in zip(requests, boxes)}
+    rows = [caption_record(record, graph, boxes_by_image[record.image_id])
+            for record, graph in zip(records, graphs)]
+    return rows, shard_counts(rows, len(unreadable))
+
+
+# ----- one split --------------------------------------------------------------------------------------
+def my_shards(num_shards: int, shard: Tuple[int, int]) -> List[int]:
+    index, count = shard
+    return [i for i in range(num_shards) if i % count == index]
+
+
+def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounder,
+                     shard: Tuple[int, int] = (0, 1)) -> dict:
+    """Process this worker's unfinished shards of one split; return the (re)written manifest."""
+    records = source.records()
+    size = cfg.preprocess.shard_size
+    num_shards = max(1, -(-len(records) // size))
+    settings = cache_settings(source, parser, grounder)
+    cache = ShardedCache(cache_directory(cfg.preprocess.cache_root, settings), num_shards)
+    cache.directory.mkdir(parents=True, exist_ok=True)
+    write_json(cache.directory / "settings.json", settings)
+    todo = [i for i in my_shards(num_shards, shard) if not cache.is_done(i)]
+    log.info("%s: %d captions, %d shards, %d to do here, cache %s", source.split, len(records), num_shards,
+             len(todo), cache.directory)
+    gt_phrases = gt_phrases_by_caption(source.scene_graphs) if todo else {}
+    with tqdm(total=sum(len(records[i * size:(i + 1) * size]) for i in todo), unit="caption",
+              desc=f"preprocess {source.split}", mininterval=2.0) as progress:
+        for index in todo:
+            chunk = records[index * size:(index + 1) * size]
+            cache.write_shard(index, *process_shard(chunk, parser, grounder, source, gt_phrases))
+            progress.update(len(chunk))
+    return cache.summarise(settings)
+
+
+def parse_shard(text: str) -> Tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise argparse.ArgumentTypeError(f"--shard expects i/n with 0 <= i < n, got {text!r}")
+    return int(index), int(count)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[], help="experiment YAML(s), as for fit")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="i/n: do shards with index %% n == i")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. preprocess.grounder=none")
+    return parser.parse_args(argv)
+
+
+def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
+    """Preprocess every configured split; return the manifest of each."""
+    parser = build_parser(cfg.preprocess)
+    grounder = make_grounder(cfg.data, cfg.preprocess)
+    manifests = {}
+    for source in split_sources(cfg.data, cfg.preprocess):
+        start = time.perf_counter()
+        manifests[source.split] = preprocess_split(cfg, source, parser, grounder, shard)
+        log.info("%s done in %.1f s: %s", source.split, time.perf_counter() - start, manifests[source.split]["counts"])
+    return manifests
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    # The experiment config schema lives with the training code; only this entry point needs it.
+    from lightning_modules.config import ConfigError, load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from None
+    run(cfg, args.shard)
+
+
+if __name__ == "__main__":
+    main()

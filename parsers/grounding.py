@@ -1,0 +1,582 @@
+"""Phrase grounding behind a registry, and boxes -> ViT patch masks (MACCO image masking).
+
+A grounder turns (image, phrases) requests into boxes in ORIGINAL image pixels, xyxy, with a score:
+
+- `groundingdino`: GroundingDINO, one prompt per phrase ("<phrase> ."), several (image, phrase) pairs per
+  forward pass;
+- `annotations`: ground-truth boxes (the best-matching gt phrase, and/or COCO instances by category name);
+- `none`: no boxes.
+
+Every grounder decodes each request's image, also those that need no pixels, so that a broken file is found
+here rather than in a training DataLoader and the count does not depend on the grounder: the paths it could
+not read go to `unreadable_images`, and their phrases get empty box lists (never an exception).
+`settings()` returns everything that changes a grounder's output, for the preprocessing cache key.
+
+`boxes_to_patch_mask` and `random_rectangle_mask` build the per-sample patch masks in the DataLoader, so they
+are plain numpy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+Box = Tuple[float, float, float, float, float]  # x0, y0, x1, y1 in original image pixels, score
+
+# GroundingDINO's eval transform: shorter side 800, longer side at most 1333 (the ratio keeps for other sizes).
+_MAX_SIZE_RATIO = 1333 / 800
+_IMAGENET_MEAN = (0.485, 0.456, 0.406)
+_IMAGENET_STD = (0.229, 0.224, 0.225)
+_RANDOM_INIT_SEED = 0
+# The two-stage encoder selects 900 query proposals among its multi-scale tokens (strides 8..64); a square
+# image needs a side of about 208 px to have that many, so smaller inputs crash inside GroundingDINO.
+MIN_IMAGE_SIZE = 224
+
+
+@dataclass
+class GroundingRequest:
+    """One image and the phrases to ground in it.
+
+    Attributes:
+        image_path: path of the image file.
+        phrases: the phrases; each becomes its own prompt.
+        image_id: dataset image id (the `annotations` grounder looks up COCO instances with it).
+        caption_id: dataset caption id (bookkeeping only).
+        gt_phrases: ground-truth phrases `[{"text": str, "boxes": [[x0, y0, x1, y1], ...]}]` for the
+            `annotations` grounder.
+    """
+
+    image_path: str
+    phrases: List[str]
+    image_id: int = 0
+    caption_id: int = 0
+    gt_phrases: Optional[List[dict]] = None
+
+
+class Grounder(Protocol):
+    """What the preprocessing job needs of a grounder."""
+
+    unreadable_images: List[str]  # paths of request images that could not be decoded, in request order
+
+    def ground(self, requests: Sequence[GroundingRequest]) -> List[List[List[Box]]]:
+        """Boxes per request, per phrase (possibly empty)."""
+
+    def settings(self) -> dict:
+        """JSON-serialisable description of everything that changes the output (a cache key)."""
+
+
+# ----- content hashes for settings() -------------------------------------------------------------------
+# Settings hold content hashes, not paths or mtimes, so that a checkpoint copied to a node's local scratch
+# still hits the same cache. Hashing a 700 MB checkpoint takes a few seconds, once per grounder.
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _directory_sha256(directory: str) -> Dict[str, str]:
+    """sha256 of each file directly inside a directory, by name."""
+    files = sorted(p for p in Path(directory).iterdir() if p.is_file())
+    return {p.name: _file_sha256(str(p)) for p in files}
+
+
+def _package_version(name: str) -> Optional[str]:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ----- images ------------------------------------------------------------------------------------------
+def _read_rgb(path: str) -> Optional[Image.Image]:
+    """The decoded RGB image, or None when the file is missing, truncated or not an image."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")  # convert() decodes the whole file, so truncation raises here
+    except (OSError, Image.DecompressionBombError) as error:
+        log.warning("unreadable image %s: %s", path, error)
+        return None
+
+
+class ImageReader:
+    """Reads request images and keeps the paths that could not be read (shared by all grounders)."""
+
+    def __init__(self):
+        self.unreadable_images: List[str] = []
+
+    def _read(self, path: str) -> Optional[Image.Image]:
+        image = _read_rgb(path)
+        if image is None:
+            self.unreadable_images.append(path)
+        return image
+
+
+def resized_size(width: int, height: int, image_size: int, max_size: int) -> Tuple[int, int]:
+    """(width, height) with the shorter side `image_size`, the longer side at most `max_size`."""
+    scale = min(image_size / min(width, height), max_size / max(width, height))
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def groundingdino_image_tensor(image: Image.Image, image_size: int, max_size: int) -> torch.Tensor:
+    """GroundingDINO's eval preprocessing: bilinear resize, [0, 1], ImageNet normalisation; [3, H, W]."""
+    resized = image.resize(resized_size(*image.size, image_size, max_size), Image.BILINEAR)
+    pixels = torch.from_numpy(np.asarray(resized, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    mean = torch.tensor(_IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(_IMAGENET_STD).view(3, 1, 1)
+    return (pixels - mean) / std
+
+
+# ----- GroundingDINO -----------------------------------------------------------------------------------
+def default_groundingdino_config() -> str:
+    """The SwinT OGC config file shipped inside the groundingdino package (found without importing it)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("groundingdino")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("groundingdino-py is not installed")
+    package_dir = next(iter(spec.submodule_search_locations))
+    return str(Path(package_dir) / "config" / "GroundingDINO_SwinT_OGC.py")
+
+
+def phrase_prompt(phrase: str) -> str:
+    """GroundingDINO's caption convention: lowercase, ending with " ."."""
+    return phrase.lower().strip().rstrip(".").strip() + " ."
+
+
+def _build_groundingdino(config_file: str, text_encoder: str, device: str) -> torch.nn.Module:
+    # Imported here: slow to import, and only this grounder needs it.
+    from groundingdino.models import build_model
+    from groundingdino.util.slconfig import SLConfig
+
+    args = SLConfig.fromfile(config_file)
+    args.text_encoder_type = text_encoder
+    args.device = device
+    # Activation checkpointing only saves memory in a backward pass; we never run one.
+    args.use_checkpoint = False
+    args.use_transformer_ckpt = False
+    # A fixed seed makes random-weight runs (tests) reproducible without touching the caller's RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_RANDOM_INIT_SEED)
+        return build_model(args)
+
+
+def _load_checkpoint(model: torch.nn.Module, checkpoint: str) -> None:
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state = state.get("model", state)
+    # Checkpoints saved from DistributedDataParallel prefix every key with "module.".
+    state = {key.removeprefix("module."): value for key, value in state.items()}
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        log.warning("GroundingDINO checkpoint %s: %d missing keys %s, %d unexpected keys %s", checkpoint,
+                    len(result.missing_keys), result.missing_keys[:5], len(result.unexpected_keys),
+                    result.unexpected_keys[:5])
+
+
+def _phrase_token_mask(tokenizer, prompts: Sequence[str], special_ids: Sequence[int], width: int) -> torch.Tensor:
+    """Bool [N, width]: which text positions of each prompt are phrase tokens (not [CLS]/[SEP]/"."/padding).
+
+    Tokenised exactly like GroundingDINO's forward (padding "longest"), so positions line up with the logits.
+    """
+    tokens = tokenizer(list(prompts), padding="longest", return_tensors="pt")
+    ids = tokens["input_ids"][:, :width]
+    mask = tokens["attention_mask"][:, :width].bool() & ~torch.isin(ids, torch.tensor(list(special_ids)))
+    return torch.nn.functional.pad(mask, (0, width - mask.shape[1]), value=False)
+
+
+def select_boxes(probs: torch.Tensor, boxes: torch.Tensor, phrase_tokens: torch.Tensor, box_threshold: float,
+                 text_threshold: float, width: int, height: int) -> List[Box]:
+    """GroundingDINO's `predict` semantics for one (image, phrase) pair.
+
+    A query is kept when its best token probability (over the whole prompt, as in `predict`) exceeds
+    `box_threshold` AND at least one of the phrase's own tokens (not [CLS]/[SEP]/".") exceeds
+    `text_threshold`. `predict` uses the text threshold to pick a query's label tokens; with one prompt per
+    phrase the only question left is whether the query is about the phrase at all. The score is the best
+    token probability.
+
+    Args:
+        probs: [Q, T] sigmoid token probabilities (padding positions 0).
+        boxes: [Q, 4] normalised cx, cy, w, h relative to the unpadded image.
+        phrase_tokens: [T] bool, the phrase's token positions.
+        box_threshold: minimum (exclusive) best-token probability.
+        text_threshold: minimum (exclusive) probability of some phrase token.
+        width: original image width in pixels.
+        height: original image height in pixels.
+
+    Returns:
+        Boxes in original pixels, xyxy, clipped to the image, with scores; in query order.
+    """
+    scores = probs.max(dim=1).values
+    phrase_best = probs[:, phrase_tokens].max(dim=1).values if phrase_tokens.any() else torch.zeros_like(scores)
+    keep = (scores > box_threshold) & (phrase_best > text_threshold)
+    cx, cy, w, h = boxes[keep].double().unbind(-1)
+    x0 = ((cx - w / 2) * width).clamp(0, width)
+    x1 = ((cx + w / 2) * width).clamp(0, width)
+    y0 = ((cy - h / 2) * height).clamp(0, height)
+    y1 = ((cy + h / 2) * height).clamp(0, height)
+    rows = torch.stack([x0, y0, x1, y1, scores[keep].double()], dim=-1).tolist()
+    return [tuple(row) for row in rows]
+
+
+class GroundingDinoGrounder(ImageReader):
+    """GroundingDINO with one prompt per phrase, `batch_size` images per forward pass.
+
+    Each image is paired with each of its phrases; all pairs of `batch_size` images go through one forward
+    pass (GroundingDINO pads them to a common size and masks the padding).
+
+    Args:
+        checkpoint: path of a GroundingDINO checkpoint (e.g. `groundingdino_swint_ogc.pth`). None builds
+            random weights (seeded) and is meant for tests only.
+        config_file: GroundingDINO config; default the SwinT OGC config shipped inside the package.
+        text_encoder: hub name or local directory of the BERT text encoder (tokenizer + config; with a
+            checkpoint its BERT weights are overwritten by the checkpoint's).
+        box_threshold: keep a box when its best token probability exceeds this.
+        text_threshold: ... and one of the phrase's tokens exceeds this.
+        image_size: shorter side of the network input (at least `MIN_IMAGE_SIZE`).
+        max_size: longer side cap; default `image_size * 1333 / 800` (1333 at 800, as GroundingDINO).
+        device: "cpu" or "cuda".
+        batch_size: images per forward pass.
+    """
+
+    def __init__(self, *, checkpoint: Optional[str], config_file: Optional[str] = None,
+                 text_encoder: str = "bert-base-uncased", box_threshold: float = 0.35,
+                 text_threshold: float = 0.25, image_size: int = 800, max_size: Optional[int] = None,
+                 device: str = "cpu", batch_size: int = 4):
+        if image_size < MIN_IMAGE_SIZE:
+            raise ValueError(f"image_size {image_size} < {MIN_IMAGE_SIZE}: too few encoder tokens for 900 queries")
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.config_file = config_file or default_groundingdino_config()
+        self.text_encoder = text_encoder
+        self.box_threshold = box_threshold
+        self.text_threshold = text_threshold
+        self.image_size = image_size
+        self.max_size = max_size or round(image_size * _MAX_SIZE_RATIO)
+        self.device = device
+        self.batch_size = batch_size
+
+    @cached_property
+    def model(self) -> torch.nn.Module:
+        """Loaded on first use, so `settings()` (the cache key) is cheap to compute."""
+        return self._load_model()
+
+    def _load_model(self) -> torch.nn.Module:
+        model = _build_groundingdino(self.config_file, self.text_encoder, self.device)
+        if self.checkpoint is None:
+            log.warning("GroundingDINO has RANDOM WEIGHTS (checkpoint=None): boxes are meaningless; "
+                        "this is for tests only, pass checkpoint=<path to groundingdino_swint_ogc.pth>")
+        else:
+            _load_checkpoint(model, self.checkpoint)
+        return model.to(self.device).eval().requires_grad_(False)
+
+    @cached_property
+    def _input_hashes(self) -> dict:
+        local_encoder = os.path.isdir(self.text_encoder)
+        return {
+            "config_sha256": _file_sha256(self.config_file),
+            "checkpoint_sha256": _file_sha256(self.checkpoint) if self.checkpoint else None,
+            "text_encoder_sha256": _directory_sha256(self.text_encoder) if local_encoder else None,
+        }
+
+    def settings(self) -> dict:
+        """Everything that changes the boxes (file names for reading, content hashes for identity).
+
+        `batch_size` is included because images of different sizes are padded together, and the Swin
+        backbone sees the padding, so the boxes of an image depend (slightly) on its batch mates.
+        """
+        return {
+            "name": "groundingdino", "prompt": phrase_prompt("{phrase}"),
+            "config": os.path.basename(self.config_file),
+            "checkpoint": os.path.basename(self.checkpoint) if self.checkpoint else None,
+            "random_init_seed": None if self.checkpoint else _RANDOM_INIT_SEED,
+            "text_encoder": os.path.basename(os.path.normpath(self.text_encoder)), **self._input_hashes,
+            "box_threshold": self.box_threshold, "text_threshold": self.text_threshold,
+            "image_size": self.image_size, "max_size": self.max_size, "batch_size": self.batch_size,
+            "groundingdino_py": _package_version("groundingdino-py"),
+            "transformers": _package_version("transformers"),
+        }
+
+    def ground(self, requests: Sequence[GroundingRequest]) -> List[List[List[Box]]]:
+        """Boxes per request, per phrase; unreadable images give empty lists and go to `unreadable_images`."""
+        results: List[List[List[Box]]] = [[[] for _ in r.phrases] for r in requests]
+        for start in range(0, len(requests), self.batch_size):
+            chunk = range(start, min(start + self.batch_size, len(requests)))
+            images = {i: self._read(requests[i].image_path) for i in chunk}
+            readable = [i for i, image in images.items() if image is not None and requests[i].phrases]
+            if readable:
+                self._ground_images([requests[i] for i in readable], [images[i] for i in readable],
+                                    [results[i] for i in readable])
+        return results
+
+    def _ground_images(self, requests: Sequence[GroundingRequest], images: Sequence[Image.Image],
+                       results: Sequence[List[List[Box]]]) -> None:
+        """One forward pass over every (image, phrase) pair of these images; fills `results` in place."""
+        pairs = [(k, p) for k, request in enumerate(requests) for p in range(len(request.phrases))]
+        tensors = [groundingdino_image_tensor(image, self.image_size, self.max_size) for image in images]
+        prompts = [phrase_prompt(requests[k].phrases[p]) for k, p in pairs]
+        probs, boxes = self._forward([tensors[k] for k, _ in pairs], prompts)
+        phrase_tokens = _phrase_token_mask(self.model.tokenizer, prompts, self.model.specical_tokens,
+                                           probs.shape[-1])
+        for row, (k, p) in enumerate(pairs):
+            width, height = images[k].size
+            results[k][p] = select_boxes(probs[row], boxes[row], phrase_tokens[row], self.box_threshold,
+                                         self.text_threshold, width, height)
+
+    @torch.no_grad()
+    def _forward(self, tensors: List[torch.Tensor], prompts: List[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Token probabilities [N, Q, T] and normalised cxcywh boxes [N, Q, 4], on the CPU in fp32."""
+        from groundingdino.util.misc import nested_tensor_from_tensor_list
+
+        samples = nested_tensor_from_tensor_list(tensors).to(self.device)
+        outputs = self.model(samples, captions=prompts)
+        return outputs["pred_logits"].float().sigmoid().cpu(), outputs["pred_boxes"].float().cpu()
+
+
+# ----- ground-truth annotations ------------------------------------------------------------------------
+def _words(text: str) -> List[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def word_jaccard(a: str, b: str) -> float:
+    """Jaccard similarity of the lowercased word sets of two texts (0 when both are empty)."""
+    left, right = set(_words(a)), set(_words(b))
+    union = left | right
+    return len(left & right) / len(union) if union else 0.0
+
+
+def _xyxy_with_score(box: Sequence[float]) -> Box:
+    x0, y0, x1, y1 = (float(v) for v in box[:4])
+    return (x0, y0, x1, y1, 1.0)
+
+
+def phrase_coverage(phrase: str, gt_text: str) -> float:
+    """Fraction of `phrase`'s distinct words that occur in `gt_text` (0 for an empty phrase)."""
+    words = set(_words(phrase))
+    return len(words & set(_words(gt_text))) / len(words) if words else 0.0
+
+
+def best_gt_boxes(phrase: str, gt_phrases: Sequence[dict], min_overlap: float) -> List[Box]:
+    """Boxes (score 1) of the gt phrase that best covers `phrase`, if the coverage reaches `min_overlap`.
+
+    Coverage (the share of the phrase's words found in the gt phrase) rather than Jaccard, because parsed
+    phrases are terser than written ones: "square left of circle" is fully inside "a large red square to the
+    left of a small blue circle". Ties go to the higher word Jaccard (the tighter gt phrase), then the first.
+    """
+    if not gt_phrases:
+        return []
+    scores = [(phrase_coverage(phrase, gt["text"]), word_jaccard(phrase, gt["text"])) for gt in gt_phrases]
+    best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+    if scores[best][0] < min_overlap:
+        return []
+    return [_xyxy_with_score(box) for box in gt_phrases[best]["boxes"]]
+
+
+def _name_forms(name: str) -> List[Tuple[str, ...]]:
+    """A category name as a word sequence, with naive plurals of its last word ("dogs", "buses")."""
+    words = tuple(_words(name))
+    return [words, words[:-1] + (words[-1] + "s",), words[:-1] + (words[-1] + "es",)] if words else []
+
+
+def _contains_sequence(words: Sequence[str], sequence: Sequence[str]) -> bool:
+    n = len(sequence)
+    return any(tuple(words[i:i + n]) == tuple(sequence) for i in range(len(words) - n + 1))
+
+
+def mentions_category(phrase: str, name: str) -> bool:
+    """Whether the phrase contains the category name as whole words (multi-word names, naive plurals)."""
+    words = _words(phrase)
+    return any(_contains_sequence(words, form) for form in _name_forms(name))
+
+
+def load_coco_instances(path: str) -> Dict[int, List[Tuple[str, Box]]]:
+    """COCO instances file -> {image_id: [(category name, xyxy box with score 1)]}."""
+    document = json.loads(Path(path).read_text())
+    names = {category["id"]: category["name"] for category in document["categories"]}
+    instances: Dict[int, List[Tuple[str, Box]]] = {}
+    for annotation in document["annotations"]:
+        x, y, w, h = annotation["bbox"]
+        box = _xyxy_with_score((x, y, x + w, y + h))
+        instances.setdefault(annotation["image_id"], []).append((names[annotation["category_id"]], box))
+    return instances
+
+
+class AnnotationGrounder(ImageReader):
+    """Ground-truth boxes instead of a detector.
+
+    A phrase's boxes are the union of (1) the boxes of the request's gt phrase that best covers its words
+    (coverage >= `min_overlap`, see `best_gt_boxes`) and (2) with `instances_json`, every COCO instance of the image whose category name
+    the phrase mentions. All scores are 1.
+
+    Args:
+        min_overlap: minimum share of the phrase's words found in the matched gt phrase. Above 0.5, so
+            "red square" never takes the boxes of "red circle".
+        instances_json: optional COCO instances file (categories + annotations with xywh `bbox`).
+    """
+
+    def __init__(self, min_overlap: float = 0.6, instances_json: Optional[str] = None):
+        super().__init__()
+        self.min_overlap = min_overlap
+        self.instances_json = instances_json
+        self.instances = load_coco_instances(instances_json) if instances_json else {}
+
+    def settings(self) -> dict:
+        instances = self.instances_json
+        return {"name": "annotations", "min_overlap": self.min_overlap,
+                "instances_json": os.path.basename(instances) if instances else None,
+                "instances_sha256": _file_sha256(instances) if instances else None}
+
+    def ground(self, requests: Sequence[GroundingRequest]) -> List[List[List[Box]]]:
+        return [self._request_boxes(request) for request in requests]
+
+    def _request_boxes(self, request: GroundingRequest) -> List[List[Box]]:
+        if self._read(request.image_path) is None:
+            return [[] for _ in request.phrases]
+        return [self._phrase_boxes(request, phrase) for phrase in request.phrases]
+
+    def _phrase_boxes(self, request: GroundingRequest, phrase: str) -> List[Box]:
+        boxes = best_gt_boxes(phrase, request.gt_phrases or [], self.min_overlap)
+        instances = self.instances.get(request.image_id, [])
+        return boxes + [box for name, box in instances if mentions_category(phrase, name)]
+
+
+class NoGrounder(ImageReader):
+    """No boxes at all (text-only methods, or image masking by random rectangles only).
+
+    Images are still decoded, to count the unreadable ones.
+    """
+
+    def settings(self) -> dict:
+        return {"name": "none"}
+
+    def ground(self, requests: Sequence[GroundingRequest]) -> List[List[List[Box]]]:
+        for request in requests:
+            self._read(request.image_path)
+        return [[[] for _ in request.phrases] for request in requests]
+
+
+GROUNDERS: Dict[str, Callable[..., Grounder]] = {
+    "groundingdino": GroundingDinoGrounder,
+    "annotations": AnnotationGrounder,
+    "none": NoGrounder,
+}
+
+
+def build_grounder(name: str, **options) -> Grounder:
+    """The registered grounder `name`, constructed with `options`.
+
+    Raises:
+        ValueError: `name` is not registered (the message lists the valid names).
+    """
+    if name not in GROUNDERS:
+        raise ValueError(f"unknown grounder {name!r}; valid: {sorted(GROUNDERS)}")
+    return GROUNDERS[name](**options)
+
+
+# ----- patch masks -------------------------------------------------------------------------------------
+# Overlaps below this fraction of a patch side count as zero: a box edge on a patch border, moved by float
+# rounding of the crop rescale, must not mask the neighbour.
+_EDGE_TOLERANCE = 1e-6
+
+
+def _boxes_in_output(boxes: Iterable[Sequence[float]], crop: Sequence[float], output_size: int) -> np.ndarray:
+    """[N, 4] boxes mapped from original pixels into the resized crop, clipped to [0, output_size]."""
+    xyxy = np.asarray([box[:4] for box in boxes], dtype=np.float64).reshape(-1, 4)
+    top, left, height, width = (float(v) for v in crop)
+    scale = np.array([output_size / width, output_size / height] * 2)
+    offset = np.array([left, top] * 2)
+    return np.clip((xyxy - offset) * scale, 0.0, output_size)
+
+
+def _axis_overlap(lo: np.ndarray, hi: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """[N, G] length of [lo, hi] inside each patch interval [edges[g], edges[g + 1]]."""
+    inside = np.minimum(hi[:, None], edges[None, 1:]) - np.maximum(lo[:, None], edges[None, :-1])
+    return np.maximum(inside, 0.0)
+
+
+def boxes_to_patch_mask(boxes: Iterable[Sequence[float]], crop: Sequence[float], output_size: int, grid: int,
+                        min_overlap: float = 0.0) -> np.ndarray:
+    """Patches of a resized crop touched by any box.
+
+    Args:
+        boxes: boxes in original pixels, xyxy (4-tuples, or 5-tuples whose score is ignored; an [N, 4] array).
+        crop: (top, left, height, width) of the crop in original pixels (torchvision
+            `RandomResizedCrop.get_params`); the crop is resized to `output_size` x `output_size`.
+        output_size: side of the network input in pixels.
+        grid: patches per side (patch side = output_size / grid).
+        min_overlap: 0 (MACCO): a patch is masked when a box overlaps it with positive area (touching along
+            an edge does not count). > 0: a patch is masked when a single box covers at least this fraction
+            of the patch's area (boxes are not unioned).
+
+    Returns:
+        Bool [grid * grid], row-major (row = y).
+    """
+    xyxy = _boxes_in_output(boxes, crop, output_size)
+    patch = output_size / grid
+    edges = np.arange(grid + 1) * patch
+    overlap_x = _axis_overlap(xyxy[:, 0], xyxy[:, 2], edges)  # [N, G] columns
+    overlap_y = _axis_overlap(xyxy[:, 1], xyxy[:, 3], edges)  # [N, G] rows
+    if min_overlap > 0:
+        covered = overlap_y[:, :, None] * overlap_x[:, None, :] >= min_overlap * patch * patch
+    else:
+        tolerance = _EDGE_TOLERANCE * patch
+        covered = (overlap_y[:, :, None] > tolerance) & (overlap_x[:, None, :] > tolerance)
+    return covered.any(axis=0).reshape(-1)
+
+
+def _rectangle_shape(rng: np.random.Generator, grid: int, lo: float, hi: float) -> Tuple[int, int]:
+    """(height, width) in patches with area in [lo, hi] * grid^2 when possible, else as close as possible.
+
+    The target area is uniform in the band; the height is uniform over the heights that can reach the band
+    (this is the random aspect); the width is the feasible one closest to target / height.
+    """
+    cells = grid * grid
+    target = rng.uniform(lo, hi) * cells
+    sides = np.arange(1, grid + 1)
+    area = sides[:, None] * sides[None, :]  # [height - 1, width - 1]
+    distance = np.maximum(np.maximum(lo * cells - area, area - hi * cells), 0.0)
+    feasible = distance <= distance.min() + 1e-9
+    height = int(rng.choice(sides[feasible.any(axis=1)]))
+    widths = sides[feasible[height - 1]]
+    width = int(widths[np.argmin(np.abs(widths - target / height))])
+    return height, width
+
+
+def random_rectangle_mask(rng: np.random.Generator, grid: int, ratio: float = 0.75,
+                          jitter: float = 0.25) -> np.ndarray:
+    """MACCO's random image mask: one axis-aligned rectangle of about `ratio` (+- `jitter`) of the patch grid.
+
+    The area fraction is uniform in [ratio - jitter, ratio + jitter] clipped to (0, 1] and realised in whole
+    patches (the rectangle's area lies in that band whenever some h x w rectangle does); aspect and position
+    are random.
+
+    Args:
+        rng: numpy random generator.
+        grid: patches per side.
+        ratio: mean masked area fraction.
+        jitter: half-width of the uniform area band.
+
+    Returns:
+        Bool [grid * grid], row-major.
+    """
+    lo = min(max(ratio - jitter, 1.0 / (grid * grid)), 1.0)
+    hi = min(max(ratio + jitter, lo), 1.0)
+    height, width = _rectangle_shape(rng, grid, lo, hi)
+    top = int(rng.integers(grid - height + 1))
+    left = int(rng.integers(grid - width + 1))
+    mask = np.zeros((grid, grid), dtype=bool)
+    mask[top:top + height, left:left + width] = True
+    return mask.reshape(-1)

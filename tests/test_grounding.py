@@ -1,0 +1,371 @@
+"""Grounders (GroundingDINO offline with random weights, gt annotations, none) and boxes -> patch masks."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from parsers.grounding import (
+    GROUNDERS,
+    MIN_IMAGE_SIZE,
+    GroundingRequest,
+    boxes_to_patch_mask,
+    build_grounder,
+    groundingdino_image_tensor,
+    random_rectangle_mask,
+    select_boxes,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any accidental hub call fails fast
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+IMAGE_SIZE = 256  # smallest input with comfortable margin over GroundingDINO's 900 proposals
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?", "a", "the", "red", "car", "dog", "on", "grass",
+         "small", "cat", "man", "riding", "horse"]
+
+
+# ----- GroundingDINO, offline -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    """A tiny random BERT with a WordPiece vocabulary, saved like a hub checkpoint (no download)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    directory = tmp_path_factory.mktemp("bert")
+    (directory / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    BertTokenizerFast(vocab_file=str(directory / "vocab.txt")).save_pretrained(directory)
+    config = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        BertModel(config).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def image_files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    paths = {"wide": directory / "wide.png", "tall": directory / "tall.jpg", "missing": directory / "missing.jpg",
+             "corrupt": directory / "corrupt.jpg", "truncated": directory / "truncated.jpg"}
+    Image.fromarray(rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)).save(paths["wide"])
+    Image.fromarray(rng.integers(0, 256, (300, 200, 3), dtype=np.uint8)).save(paths["tall"])
+    paths["corrupt"].write_bytes(b"this is not an image")
+    encoded = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(encoded, format="JPEG")
+    paths["truncated"].write_bytes(encoded.getvalue()[: len(encoded.getvalue()) // 2])
+    return {name: str(path) for name, path in paths.items()}
+
+
+def groundingdino(bert_dir, checkpoint=None, **options):
+    return build_grounder("groundingdino", checkpoint=checkpoint, text_encoder=bert_dir, image_size=IMAGE_SIZE,
+                          **options)
+
+
+@pytest.fixture(scope="module")
+def grounder(bert_dir):
+    return groundingdino(bert_dir, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def requests_(image_files):
+    return [
+        GroundingRequest(image_files["wide"], ["red car", "a dog on the grass", "small cat"], image_id=1),
+        GroundingRequest(image_files["missing"], ["red car", "dog"], image_id=2),
+        GroundingRequest(image_files["tall"], ["man riding a horse", "dog"], image_id=3),
+        GroundingRequest(image_files["corrupt"], ["cat"], image_id=4),
+        GroundingRequest(image_files["truncated"], ["horse"], image_id=5),
+    ]
+
+
+@pytest.fixture(scope="module")
+def grounded(grounder, requests_):
+    return grounder.ground(requests_)
+
+
+READABLE = {0: (320, 240), 2: (200, 300)}  # request index -> original (width, height)
+
+
+def test_output_structure(grounded, requests_):
+    assert len(grounded) == len(requests_)
+    for request, per_phrase in zip(requests_, grounded):
+        assert len(per_phrase) == len(request.phrases)
+        for boxes in per_phrase:
+            assert isinstance(boxes, list)
+            assert all(len(box) == 5 and all(isinstance(v, float) for v in box) for box in boxes)
+
+
+def test_boxes_in_original_pixels_with_scores_above_threshold(grounded, grounder):
+    for index, (width, height) in READABLE.items():
+        assert any(grounded[index]), "seeded random weights give boxes at the default thresholds"
+        for x0, y0, x1, y1, score in (box for boxes in grounded[index] for box in boxes):
+            assert 0 <= x0 <= x1 <= width and 0 <= y0 <= y1 <= height
+            assert grounder.box_threshold < score <= 1.0
+
+
+def test_unreadable_images_give_empty_lists_and_are_recorded(grounded, grounder, requests_, image_files):
+    for index in (1, 3, 4):
+        assert grounded[index] == [[] for _ in requests_[index].phrases]
+    assert grounder.unreadable_images == [image_files["missing"], image_files["corrupt"], image_files["truncated"]]
+
+
+def test_matches_groundingdino_predict(bert_dir, image_files):
+    """One pair per forward (no padding) must reproduce the package's own predict(), in original pixels."""
+    from groundingdino.util.inference import predict
+
+    permissive = groundingdino(bert_dir, box_threshold=0.0, text_threshold=0.0, batch_size=1)
+    ours = permissive.ground([GroundingRequest(image_files["wide"], ["Red car"])])[0][0]
+    with Image.open(image_files["wide"]) as image:
+        tensor = groundingdino_image_tensor(image.convert("RGB"), IMAGE_SIZE, permissive.max_size)
+    boxes, scores, _ = predict(permissive.model, tensor, "red car", box_threshold=0.0, text_threshold=0.0,
+                               device="cpu")
+    cx, cy, w, h = boxes.double().unbind(-1)
+    expected = torch.stack([(cx - w / 2) * 320, (cy - h / 2) * 240, (cx + w / 2) * 320, (cy + h / 2) * 240],
+                           dim=-1).clamp_min(0)
+    expected = torch.minimum(expected, torch.tensor([320.0, 240.0, 320.0, 240.0], dtype=torch.float64))
+    assert len(ours) == len(boxes) > 0
+    assert torch.allclose(torch.tensor(ours, dtype=torch.float64)[:, :4], expected, atol=1e-4)
+    assert torch.allclose(torch.tensor(ours, dtype=torch.float64)[:, 4], scores.double(), atol=1e-6)
+
+
+def test_box_threshold_above_one_gives_nothing(bert_dir, image_files):
+    strict = groundingdino(bert_dir, box_threshold=1.01, batch_size=1)
+    assert strict.ground([GroundingRequest(image_files["tall"], ["dog"])]) == [[[]]]
+    assert strict.unreadable_images == []
+
+
+def test_settings_json_and_sensitive_to_thresholds(grounder, bert_dir):
+    settings = grounder.settings()
+    assert json.loads(json.dumps(settings)) == settings
+    assert settings["checkpoint"] is None and settings["random_init_seed"] == 0
+    assert settings["config"] == "GroundingDINO_SwinT_OGC.py" and len(settings["config_sha256"]) == 64
+    assert {"vocab.txt", "config.json", "model.safetensors"} <= set(settings["text_encoder_sha256"])
+    assert groundingdino(bert_dir, box_threshold=0.3, batch_size=2).settings() == dict(settings, box_threshold=0.3)
+    assert groundingdino(bert_dir, text_threshold=0.2, batch_size=2).settings() == dict(settings, text_threshold=0.2)
+
+
+def test_checkpoint_from_ddp_loads_and_is_hashed(bert_dir, tmp_path, caplog):
+    weight = torch.full((256, 32), 0.5)  # feat_map: BERT width 32 -> GroundingDINO width 256
+    path = tmp_path / "groundingdino.pth"
+    torch.save({"model": {"module.feat_map.weight": weight}}, path)
+    loaded = groundingdino(bert_dir, checkpoint=str(path))
+    assert torch.equal(loaded.model.feat_map.weight, weight)
+    assert "missing keys" in caplog.text  # a partial checkpoint is loud, not silent
+    settings = loaded.settings()
+    assert settings["checkpoint"] == "groundingdino.pth" and settings["random_init_seed"] is None
+    assert settings["checkpoint_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_too_small_image_size_is_rejected(bert_dir):
+    with pytest.raises(ValueError, match="image_size"):
+        build_grounder("groundingdino", checkpoint=None, text_encoder=bert_dir, image_size=MIN_IMAGE_SIZE - 1)
+
+
+# ----- select_boxes on hand-made tensors --------------------------------------------------------------
+def test_select_boxes_thresholds_and_conversion():
+    # 3 queries, 4 text positions: [CLS] phrase phrase [SEP]
+    probs = torch.tensor([[0.9, 0.1, 0.2, 0.0],    # best token is [CLS]; phrase tokens below text threshold
+                          [0.1, 0.5, 0.3, 0.0],    # kept: 0.5 > 0.35 and phrase token 0.5 > 0.25
+                          [0.1, 0.3, 0.2, 0.0]])   # dropped: best 0.3 <= 0.35
+    boxes = torch.tensor([[0.5, 0.5, 1.0, 1.0], [0.25, 0.5, 0.5, 0.2], [0.5, 0.5, 0.1, 0.1]])
+    phrase_tokens = torch.tensor([False, True, True, False])
+    kept = select_boxes(probs, boxes, phrase_tokens, 0.35, 0.25, width=200, height=100)
+    assert kept == [pytest.approx((0.0, 40.0, 100.0, 60.0, 0.5))]
+    # text_threshold 0.15: query 0's phrase token 0.2 now passes, its score is its best token (predict's max)
+    kept = select_boxes(probs, boxes, phrase_tokens, 0.35, 0.15, width=200, height=100)
+    assert [box[4] for box in kept] == pytest.approx([0.9, 0.5])
+
+
+def test_select_boxes_clips_to_image():
+    probs = torch.tensor([[0.0, 0.9, 0.0]])
+    boxes = torch.tensor([[0.95, 0.05, 0.2, 0.2]])  # sticks out of the top-right corner
+    (box,) = select_boxes(probs, boxes, torch.tensor([False, True, False]), 0.35, 0.25, width=100, height=50)
+    assert box == pytest.approx((85.0, 0.0, 100.0, 7.5, 0.9))
+
+
+# ----- annotations and registry -----------------------------------------------------------------------
+GT_PHRASES = [{"text": "car", "boxes": [[0, 0, 5, 5]]},
+              {"text": "red car", "boxes": [[1, 2, 3, 4], [5, 6, 7, 8]]},
+              {"text": "a big dog on the grass", "boxes": [[10, 10, 20, 20]]}]
+
+
+def test_annotations_best_word_coverage(image_files):
+    grounder = build_grounder("annotations")
+    request = GroundingRequest(image_files["wide"], ["The red car", "dog", "blue sky", "red dog"],
+                               gt_phrases=GT_PHRASES)
+    red_car, dog, sky, red_dog = grounder.ground([request])[0]
+    assert red_car == [(1.0, 2.0, 3.0, 4.0, 1.0), (5.0, 6.0, 7.0, 8.0, 1.0)]  # covers 2/3 vs 1/3 for "car"
+    assert dog == [(10.0, 10.0, 20.0, 20.0, 1.0)]  # a terse phrase fully inside a written one
+    assert sky == []
+    assert red_dog == []  # half its words in "red car", half in the dog phrase: below 0.6 either way
+    strict = build_grounder("annotations", min_overlap=0.9)
+    assert strict.ground([request])[0][0] == []
+    assert grounder.ground([GroundingRequest(image_files["wide"], ["red car"])]) == [[[]]]  # no gt phrases
+
+
+def test_annotations_coco_instances_by_category_name(tmp_path, image_files):
+    instances = {
+        "categories": [{"id": 1, "name": "dog"}, {"id": 10, "name": "traffic light"}, {"id": 3, "name": "car"}],
+        "annotations": [{"image_id": 5, "category_id": 1, "bbox": [10, 20, 30, 40]},
+                        {"image_id": 5, "category_id": 10, "bbox": [0, 0, 4, 8]},
+                        {"image_id": 5, "category_id": 1, "bbox": [50, 50, 1, 1]},
+                        {"image_id": 6, "category_id": 3, "bbox": [1, 1, 1, 1]}],
+    }
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps(instances))
+    grounder = build_grounder("annotations", instances_json=str(path))
+    phrases = ["two dogs near a traffic light", "a light", "car", "hotdog"]
+    dogs_light, light, car, hotdog = grounder.ground([GroundingRequest(image_files["wide"], phrases, image_id=5)])[0]
+    assert dogs_light == [(10.0, 20.0, 40.0, 60.0, 1.0), (0.0, 0.0, 4.0, 8.0, 1.0), (50.0, 50.0, 51.0, 51.0, 1.0)]
+    assert light == [] and car == [] and hotdog == []  # whole words only; the car is in another image
+    request = GroundingRequest(image_files["tall"], ["red car"], image_id=6, gt_phrases=GT_PHRASES)
+    both = grounder.ground([request])[0][0]
+    assert both == [(1.0, 2.0, 3.0, 4.0, 1.0), (5.0, 6.0, 7.0, 8.0, 1.0), (1.0, 1.0, 2.0, 2.0, 1.0)]
+    assert grounder.settings()["instances_sha256"] != build_grounder("annotations").settings()["instances_sha256"]
+
+
+def test_registry_unknown_name_lists_valid_ones():
+    assert set(GROUNDERS) == {"groundingdino", "annotations", "none"}
+    with pytest.raises(ValueError) as error:
+        build_grounder("grounding-dino")
+    assert all(name in str(error.value) for name in GROUNDERS)
+
+
+def test_none_grounder(image_files):
+    grounder = build_grounder("none")
+    requests = [GroundingRequest(image_files["wide"], ["x", "y"]), GroundingRequest(image_files["tall"], [])]
+    assert grounder.ground(requests) == [[[], []], []]
+    assert grounder.settings() == {"name": "none"} and grounder.unreadable_images == []
+
+
+@pytest.mark.parametrize("name", ["annotations", "none"])
+def test_grounders_without_pixels_still_record_unreadable_images(name, image_files):
+    """The unreadable count must not depend on the grounder: broken files would fail later, in training."""
+    grounder = build_grounder(name)
+    requests = [GroundingRequest(image_files["wide"], ["red car"], gt_phrases=GT_PHRASES),
+                GroundingRequest(image_files["truncated"], ["red car"], gt_phrases=GT_PHRASES),
+                GroundingRequest(image_files["missing"], [])]
+    grounded = grounder.ground(requests)
+    assert grounded[1:] == [[[]], []]
+    assert grounder.unreadable_images == [image_files["truncated"], image_files["missing"]]
+    assert (grounded[0] != [[]]) == (name == "annotations")
+
+
+# ----- boxes -> patch masks ---------------------------------------------------------------------------
+FULL = (0, 0, 224, 224)  # identity crop for a 224 x 224 image; 7 x 7 grid of 32-pixel patches
+
+
+def masked(boxes, crop=FULL, min_overlap=0.0, output_size=224, grid=7):
+    mask = boxes_to_patch_mask(boxes, crop, output_size, grid, min_overlap)
+    assert mask.shape == (grid * grid,) and mask.dtype == bool
+    return set(np.flatnonzero(mask).tolist())
+
+
+def test_box_covering_exactly_one_patch():
+    assert masked([(0, 0, 32, 32)]) == {0}
+    assert masked([(32, 32, 64, 64, 0.9)]) == {8}  # a 5-tuple: the score is ignored
+
+
+def test_edge_on_patch_border_does_not_mask_the_neighbour():
+    assert masked([(10, 10, 64, 40)]) == {0, 1, 7, 8}  # x ends on the col 1/2 border, y inside row 1
+    assert masked([(64, 0, 64.5, 1)]) == {2}
+    # (32.2 - 2.2) * 224 / 70 = 96.00000000000001: float noise past the border must not mask column 3
+    assert masked([(2.2, 0, 32.2, 10)], crop=(0, 2.2, 70, 70)) == {0, 1, 2}
+
+
+def test_boxes_partly_or_entirely_outside_the_crop():
+    assert masked([(200, 200, 280, 280)]) == {48}  # clipped to the crop
+    assert masked([(-50, -50, 10, 10)]) == {0}
+    assert masked([(250, 250, 300, 300)]) == set()
+    assert masked([(0, 0, 90, 90)], crop=(0, 100, 112, 112)) == set()  # left of the crop
+
+
+def test_empty_and_degenerate_boxes():
+    assert masked([]) == set()
+    assert masked(np.zeros((0, 4), np.float32)) == set()
+    assert masked([(40, 40, 40, 90)]) == set()  # zero width
+
+
+def test_scaled_crops():
+    assert masked([(16, 16, 32, 32)], crop=(0, 0, 112, 112)) == {8}  # half the image: coordinates doubled
+    assert masked([(116, 66, 132, 82)], crop=(50, 100, 112, 112)) == {8}  # shifted crop
+    assert masked([(32, 16, 64, 32)], crop=(0, 0, 112, 224)) == {8}  # only y doubled
+    assert masked(np.array([[16, 16, 32, 32]], np.float32), crop=(0, 0, 112, 112)) == {8}
+
+
+def test_min_overlap_is_per_box_fraction_of_patch_area():
+    box = [(0, 0, 48, 48)]  # covers patch 0 fully, patches 1 and 7 by half, patch 8 by a quarter
+    assert masked(box) == {0, 1, 7, 8}
+    assert masked(box, min_overlap=0.25) == {0, 1, 7, 8}
+    assert masked(box, min_overlap=0.5) == {0, 1, 7}
+    assert masked(box, min_overlap=0.6) == {0}
+    halves = [(0, 0, 16, 32), (16, 0, 32, 32)]  # together they cover patch 0, each only half of it
+    assert masked(halves, min_overlap=0.6) == set()
+
+
+def reference_patch_mask(boxes, crop, output_size, grid, min_overlap):
+    """One patch and one box at a time, in plain Python."""
+    top, left, height, width = crop
+    patch = output_size / grid
+    mask = []
+    for row in range(grid):
+        for col in range(grid):
+            hit = False
+            for x0, y0, x1, y1 in boxes:
+                bx0, bx1 = [min(max((x - left) * output_size / width, 0), output_size) for x in (x0, x1)]
+                by0, by1 = [min(max((y - top) * output_size / height, 0), output_size) for y in (y0, y1)]
+                ox = max(0.0, min(bx1, (col + 1) * patch) - max(bx0, col * patch))
+                oy = max(0.0, min(by1, (row + 1) * patch) - max(by0, row * patch))
+                hit |= ox * oy >= min_overlap * patch * patch if min_overlap > 0 else ox * oy > 0
+            mask.append(hit)
+    return np.array(mask)
+
+
+def test_patch_mask_matches_reference_on_random_cases():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        image_w, image_h = rng.uniform(50, 600, size=2)
+        height, width = rng.uniform(0.3, 1.0) * image_h, rng.uniform(0.3, 1.0) * image_w
+        crop = (rng.uniform(0, image_h - height), rng.uniform(0, image_w - width), height, width)
+        corners = rng.uniform(-0.2, 1.2, size=(int(rng.integers(0, 4)), 2, 2)) * [image_w, image_h]
+        boxes = [(*c.min(axis=0), *c.max(axis=0)) for c in corners]
+        grid, min_overlap = int(rng.choice([7, 14])), float(rng.choice([0.0, 0.3, 0.7]))
+        expected = reference_patch_mask(boxes, crop, 224, grid, min_overlap)
+        assert np.array_equal(boxes_to_patch_mask(boxes, crop, 224, grid, min_overlap), expected)
+
+
+# ----- random rectangles ------------------------------------------------------------------------------
+def rectangle_of(mask, grid):
+    rows, cols = np.nonzero(mask.reshape(grid, grid))
+    return rows.min(), rows.max(), cols.min(), cols.max()
+
+
+@pytest.mark.parametrize("grid", [7, 14])
+def test_random_rectangle_area_and_shape(grid):
+    rng = np.random.default_rng(1)
+    heights = set()
+    for _ in range(300):
+        mask = random_rectangle_mask(rng, grid)
+        assert mask.shape == (grid * grid,) and mask.dtype == bool
+        assert 0.5 <= mask.mean() <= 1.0
+        top, bottom, left, right = rectangle_of(mask, grid)
+        assert mask.reshape(grid, grid)[top:bottom + 1, left:right + 1].all()  # one filled rectangle
+        assert mask.sum() == (bottom - top + 1) * (right - left + 1)
+        heights.add(bottom - top + 1)
+    assert len(heights) >= 3  # random aspect
+
+
+def test_random_rectangle_exact_band_and_determinism():
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        assert random_rectangle_mask(rng, 4, ratio=0.5, jitter=0.0).sum() == 8  # 2x4 or 4x2
+    assert random_rectangle_mask(rng, 7, ratio=1.0, jitter=0.0).all()
+    first = [random_rectangle_mask(np.random.default_rng(3), 14) for _ in range(2)]
+    assert np.array_equal(*first)
+    draws = [random_rectangle_mask(np.random.default_rng(seed), 14) for seed in range(5)]
+    assert len({d.tobytes() for d in draws}) > 1
