@@ -26,6 +26,7 @@ $(SHAPES)/annotations/swap_val.json: | $(STAMP)
 	$(PY) -m datamodules.shapes --out $(SHAPES) --n-train 4000 --n-val 500 --image-size 64 --seed 0
 
 demo: setup $(SHAPES)/annotations/swap_val.json
+	$(PY) -m datamodules.preprocess --config configs/demo/pretrain.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/pretrain.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/clip_ft.yaml
 	$(PY) -m lightning_modules.demo --data $(SHAPES) --out runs/demo_results.json \
@@ -36,6 +37,8 @@ test: setup
 
 perf: setup
 	$(PY) -m perf.step --out runs/perf_step.json
+	$(PY) -m perf.preprocess --out runs/perf_preprocess.json
+	$(PY) -m perf.loader --out runs/perf_loader.json
 
 clean-demo:
-	rm -rf runs/demo_pretrain runs/demo_clip_ft runs/demo_results.json
+	rm -rf runs/demo_pretrain runs/demo_clip_ft runs/demo_results.json cache

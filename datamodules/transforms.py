@@ -43,7 +43,7 @@ class CropResize:
             return center_square(image.width, image.height)
         for _ in range(BOX_AWARE_TRIES):
             crop = tuple(RandomResizedCrop.get_params(image, list(self.scale), list(self.ratio)))
-            if not boxes or any(box_overlaps_crop(box, crop) for box in boxes):
+            if len(boxes) == 0 or any(box_overlaps_crop(box, crop) for box in boxes):
                 return crop
         return crop
 

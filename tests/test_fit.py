@@ -35,7 +35,7 @@ def tiny_config(shapes_root: Path, runs_root: Path, *overrides: str):
     return load_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
         f"model.name={TINY}", f"data.root={shapes_root}", f"runs_root={runs_root}", "data.batch_size=8",
         "data.num_workers=0", "trainer.enable_progress_bar=false", "optim.warmup_steps=2", "optim.lr=1e-3",
-        "trainer.log_every_n_steps=1", *overrides])
+        "trainer.log_every_n_steps=1", "data.masks=false", *overrides])
 
 
 def a_batch(module, cfg) -> dict:
@@ -186,7 +186,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_cli_trains_resumes_and_rejects_typos(shapes_root, tmp_path):
     args = ["--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), f"model.name={TINY}",
-            f"model.config_dir={REPO_ROOT / 'configs' / 'models'}", f"data.root={shapes_root}",
+            f"model.config_dir={REPO_ROOT / 'configs' / 'models'}", f"data.root={shapes_root}", "data.masks=false",
             "data.batch_size=8", "data.num_workers=0", "trainer.max_steps=2", "trainer.enable_progress_bar=false"]
     first = cli(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -210,7 +210,7 @@ def test_ddp_on_two_processes_equals_one_process_with_the_global_batch(shapes_ro
     """2 gloo ranks x batch 4 see the same samples and augmentations as 1 process x batch 8 (sharding
     interleaves the seeded permutation), and the exact gathered loss makes the updates equal."""
     common = ["--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), f"model.name={TINY}",
-              f"data.root={shapes_root}", "data.num_workers=0", "trainer.max_steps=3",
+              f"data.root={shapes_root}", "data.num_workers=0", "data.masks=false", "trainer.max_steps=3",
               "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false"]
     ddp = cli(*common, "data.batch_size=4", "trainer.devices=2", "trainer.strategy=ddp", cwd=tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
@@ -220,3 +220,22 @@ def test_ddp_on_two_processes_equals_one_process_with_the_global_batch(shapes_ro
     b = exported_state(tmp_path / "single" / "runs" / "demo_pretrain")
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-5), key
+
+
+def test_fit_with_masks_from_the_preprocessing_cache(shapes_root, tmp_path):
+    """The demo's path: preprocess (ground-truth grounder) then train on batches carrying the three masks."""
+    from datamodules.preprocess import run as run_preprocess
+
+    cfg = tiny_config(shapes_root, tmp_path, "data.masks=true", f"preprocess.cache_root={tmp_path / 'cache'}",
+                      "trainer.max_steps=2", "trainer.limit_val_batches=0")
+    run_preprocess(cfg)
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seen.append({key: batch[key] for key in ("obj_mask", "comp_mask", "patch_mask")})
+
+    run(cfg, extra_callbacks=[Record()])
+    assert len(seen) == 2
+    assert seen[0]["obj_mask"].shape == (8, 77) and seen[0]["patch_mask"].shape == (8, 16)
+    assert all(batch["obj_mask"].any() and batch["comp_mask"].any() for batch in seen)
