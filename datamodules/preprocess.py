@@ -236,15 +236,11 @@ def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     # The experiment config schema lives with the training code; only this entry point needs it.
-    from lightning_modules.config import ConfigError, load_config
+    from lightning_modules.config import load_config_or_exit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        raise SystemExit(f"config error: {err}") from None
-    run(cfg, args.shard)
+    run(load_config_or_exit(args.config, args.overrides), args.shard)
 
 
 if __name__ == "__main__":

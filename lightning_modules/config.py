@@ -259,6 +259,14 @@ def load_config(config_files: Sequence[os.PathLike | str] = (), overrides: Seque
     return cfg
 
 
+def load_config_or_exit(config_files: Sequence[os.PathLike | str], overrides: Sequence[str]) -> DictConfig:
+    """`load_config` for command-line entry points: a config error ends the program with its message."""
+    try:
+        return load_config(config_files, overrides)
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from None
+
+
 def save_config(cfg: DictConfig, path: Path) -> None:
     """Write the resolved config atomically (a crash never leaves half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)

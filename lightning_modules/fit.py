@@ -22,7 +22,7 @@ from datamodules.coco import CocoDataModule
 from lightning_modules import method_class
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import ExportCallback, LastCheckpoint
-from lightning_modules.config import ConfigError, load_config, save_config
+from lightning_modules.config import load_config_or_exit, save_config
 
 log = logging.getLogger("lightning_modules.fit")
 
@@ -143,11 +143,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Traine
 def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        raise SystemExit(f"config error: {err}") from None
-    run(cfg)
+    run(load_config_or_exit(args.config, args.overrides))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from datamodules.annotations import read_negclip_tsv
 from lightning_modules import method_class
 from lightning_modules.base import total_loss
 from lightning_modules.config import load_config
@@ -49,8 +50,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def real_captions(n: int) -> List[str]:
     """Real COCO captions (NegCLIP validation TSV) when the shared data is present."""
     if NEGCLIP_TSV.is_file():
-        rows = NEGCLIP_TSV.read_text().splitlines()[1:n + 1]
-        captions = [row.split("\t")[1] for row in rows]
+        captions = [record.caption for record in read_negclip_tsv(str(NEGCLIP_TSV))[:n]]
         if len(captions) == n:
             return captions
     return [FALLBACK_CAPTIONS[i % len(FALLBACK_CAPTIONS)] for i in range(n)]

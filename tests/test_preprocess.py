@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import datamodules.preprocess as preprocess
-from datamodules.cache import CacheError, ShardedCache, open_cache
+from datamodules.cache import CacheError, open_cache
 from datamodules.coco import CocoDataModule
 from datamodules.shapes import generate
 from lightning_modules.config import load_config
