@@ -187,7 +187,9 @@ def my_shards(num_shards: int, shard: Tuple[int, int]) -> List[int]:
 def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounder,
                      shard: Tuple[int, int] = (0, 1)) -> dict:
     """Process this worker's unfinished shards of one split; return the (re)written manifest."""
-    records = source.records()
+    # Captions of one image side by side, so that each image is read and grounded once (COCO lists captions
+    # in no particular order); the DataModule looks records up by caption id, so the order is free.
+    records = sorted(source.records(), key=lambda record: (record.image_id, record.caption_id))
     size = cfg.preprocess.shard_size
     num_shards = max(1, -(-len(records) // size))
     settings = cache_settings(source, parser, grounder)
