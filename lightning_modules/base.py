@@ -76,7 +76,10 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         terms, report = self.compute_terms(batch)
         loss = total_loss(terms)
         self._stop_if_not_finite(loss, terms)
-        self._log_scalars("train", {"loss": loss, **terms, **report, **self._data_counts(batch)}, batch)
+        self._log_scalars("train", {"loss": loss, **terms, **report}, batch)
+        # Counts add up over ranks (the scalars above are means over ranks).
+        self.log_dict(self._data_counts(batch), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="sum",
+                      batch_size=len(batch["text"]))
         self.log("train/logit_scale", self.clip.logit_scale.exp().detach(), batch_size=len(batch["text"]))
         return loss
 
@@ -92,8 +95,8 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
 
     @staticmethod
     def _data_counts(batch: dict) -> Terms:
-        """Per-batch counts of substituted bad images and truncated captions (summed over ranks' means)."""
-        return {f"data/{key}": batch[key].float().sum() for key in ("bad_image", "truncated") if key in batch}
+        """Per-batch counts of substituted bad images and truncated captions."""
+        return {f"train/data/{key}": batch[key].float().sum() for key in ("bad_image", "truncated") if key in batch}
 
     def _stop_if_not_finite(self, loss: Tensor, terms: Terms) -> None:
         finite = bool(torch.isfinite(loss.detach()))

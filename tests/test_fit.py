@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,18 @@ def test_fit_with_masks_from_the_preprocessing_cache(shapes_root, tmp_path):
     assert len(seen) == 2
     assert seen[0]["obj_mask"].shape == (8, 77) and seen[0]["patch_mask"].shape == (8, 16)
     assert all(batch["obj_mask"].any() and batch["comp_mask"].any() for batch in seen)
+
+
+def test_corrupt_training_image_is_skipped_and_counted_in_tensorboard(shapes_root, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(shapes_root, data)
+    victim = sorted((data / "images" / "train").glob("*.png"))[3]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated PNG: its 2 captions get substitutes
+    cfg = tiny_config(data, tmp_path, "data.on_bad_image=skip", f"trainer.max_steps={STEPS_PER_EPOCH}",
+                      "trainer.limit_val_batches=0")
+    run(cfg)
+    events = EventAccumulator(str(tmp_path / "demo_pretrain" / "tb" / "version_0"))
+    events.Reload()
+    assert sum(e.value for e in events.Scalars("train/data/bad_image")) == 2  # one epoch sees every sample
+    with pytest.raises(Exception, match=victim.name):
+        run(tiny_config(data, tmp_path / "strict", "trainer.max_steps=4", "trainer.limit_val_batches=0"))
