@@ -1,0 +1,56 @@
+"""SugarCrepe (Hsieh et al., NeurIPS 2023): 7 subsets of (image, positive caption, hard negative) items.
+
+Official files: `<root>/<subset>.json`, each `{"<key>": {"filename", "caption", "negative_caption"}}` with
+keys that are not contiguous (`swap_obj` lost "108"), so items are read by key, never by range(len). Images
+are COCO val2017 (`<images>/<filename>`). An item is correct iff cos(image, caption) > cos(image, negative),
+strictly. Category numbers (replace / swap / add) are micro averages; both overall averages are reported:
+micro over all items (76.56 for CLIP ViT-B/32, as BiVLC reports) and macro over the 7 subsets (~73.0, as
+vl_compo and the TFLocal paper report).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from datamodules.benchmarks.base import Benchmark, Item, percent
+
+SUBSETS = ("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att")
+CATEGORIES = ("replace", "swap", "add")
+
+
+class SugarCrepe(Benchmark):
+    """Args: root (the 7 JSON files), images (COCO val2017 folder; default `<root>/val2017`)."""
+
+    name = "sugarcrepe"
+
+    def __init__(self, root: str | Path, images: Optional[str | Path] = None):
+        super().__init__(root)
+        self.images = Path(images) if images else self.root / "val2017"
+
+    def required_files(self) -> List[str]:
+        return [f"{subset}.json" for subset in SUBSETS]
+
+    def items(self) -> List[Item]:
+        return [item for subset in SUBSETS for item in self._subset_items(subset)]
+
+    def _subset_items(self, subset: str) -> List[Item]:
+        entries = json.loads((self.root / f"{subset}.json").read_text())
+        return [Item(id=f"{subset}/{key}", images=[str(self.images / entry["filename"])],
+                     texts=[entry["caption"], entry["negative_caption"]], meta={"subset": subset})
+                for key, entry in entries.items()]
+
+    def outcome(self, item: Item, similarity: np.ndarray) -> Dict[str, object]:
+        return {"id": item.id, "subset": item.meta["subset"], "correct": bool(similarity[0, 0] > similarity[0, 1])}
+
+    @staticmethod
+    def aggregate(outcomes: Sequence[Dict[str, object]]) -> Dict[str, float]:
+        by_subset = {s: [o["correct"] for o in outcomes if o["subset"] == s] for s in SUBSETS}
+        result = {subset: percent(hits) for subset, hits in by_subset.items()}
+        for category in CATEGORIES:
+            result[category] = percent([h for s, hits in by_subset.items() if s.startswith(category) for h in hits])
+        result["overall_micro"] = percent([o["correct"] for o in outcomes])
+        result["overall_macro"] = float(np.mean([result[s] for s in SUBSETS]))
+        return result
