@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
+from datamodules.files import atomic_write_bytes
+
 CACHE_FORMAT_VERSION = 1
 COUNT_KEYS = ("captions", "parsed", "no_object", "no_composition", "phrases", "grounded",
               "phrases_without_boxes", "unreadable_images")
@@ -45,17 +47,8 @@ def cache_key(settings: Dict[str, Any]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def write_json(path: Path, document: Any) -> None:
-    _atomic_write(Path(path), json.dumps(document, indent=1, sort_keys=True).encode())
+    atomic_write_bytes(path, json.dumps(document, indent=1, sort_keys=True).encode())
 
 
 class ShardedCache:
@@ -76,7 +69,7 @@ class ShardedCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         lines = "".join(json.dumps(record, sort_keys=True) + "\n" for record in records)
         data = gzip.compress(lines.encode(), mtime=0)
-        _atomic_write(self.data_path(index), data)
+        atomic_write_bytes(self.data_path(index), data)
         meta = {"index": index, "num_shards": self.num_shards, "records": len(records),
                 "sha256": hashlib.sha256(data).hexdigest(), "counts": counts}
         write_json(self.meta_path(index), meta)

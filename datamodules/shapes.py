@@ -29,6 +29,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from datamodules.files import atomic_write_bytes
+
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "green": (30, 170, 50),
@@ -751,21 +753,14 @@ def caption_from_dict(record: dict[str, Any]) -> Caption:
     )
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    # os.replace is atomic, so an interrupted run leaves either the old file or the new one, never half.
-    tmp_path = path.with_name(f".{path.name}.tmp")
-    tmp_path.write_bytes(data)
-    os.replace(tmp_path, path)
-
-
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    _write_atomic(path, json.dumps(payload, sort_keys=True).encode("utf-8"))
+    atomic_write_bytes(path, json.dumps(payload, sort_keys=True).encode("utf-8"))
 
 
 def _write_png(path: Path, scene: Scene) -> None:
     buffer = io.BytesIO()
     draw_scene(scene).save(buffer, format="PNG")
-    _write_atomic(path, buffer.getvalue())
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _split_rng(seed: int, split: str, stream: str) -> random.Random:

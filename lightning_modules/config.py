@@ -15,6 +15,8 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from datamodules.files import atomic_write_text
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO_ROOT / "configs" / "base.yaml"
 
@@ -270,6 +272,4 @@ def load_config_or_exit(config_files: Sequence[os.PathLike | str], overrides: Se
 def save_config(cfg: DictConfig, path: Path) -> None:
     """Write the resolved config atomically (a crash never leaves half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    os.replace(tmp, path)
+    atomic_write_text(path, OmegaConf.to_yaml(cfg, resolve=True))

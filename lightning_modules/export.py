@@ -6,8 +6,8 @@ fine-tuned model unchanged. Tiny models that open_clip does not ship have their 
 """
 from __future__ import annotations
 
+import io
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -15,17 +15,12 @@ import open_clip
 import torch
 from torch import nn
 
+from datamodules.files import atomic_write_bytes, atomic_write_text
 from lightning_modules.encoders import BuiltModel, build_model
 
 WEIGHTS_FILE = "open_clip.pt"
 METADATA_FILE = "model.json"
 MODEL_CONFIGS_DIR = "model_configs"
-
-
-def _atomic_write_bytes(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def export_model(model: nn.Module, model_name: str, export_dir: Path, extra: Optional[dict] = None) -> Path:
@@ -34,11 +29,12 @@ def export_model(model: nn.Module, model_name: str, export_dir: Path, extra: Opt
     state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
              for k, v in model.state_dict().items()}
     weights = export_dir / WEIGHTS_FILE
-    _atomic_write_bytes(weights, lambda tmp: torch.save(state, tmp))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_bytes(weights, buffer.getvalue())
     _write_model_config(model_name, export_dir)
     metadata = {"model": model_name, "weights": WEIGHTS_FILE, **(extra or {})}
-    _atomic_write_bytes(export_dir / METADATA_FILE,
-                        lambda tmp: tmp.write_text(json.dumps(metadata, indent=2, sort_keys=True)))
+    atomic_write_text(export_dir / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True))
     return weights
 
 
@@ -46,8 +42,7 @@ def _write_model_config(model_name: str, export_dir: Path) -> None:
     config_dir = export_dir / MODEL_CONFIGS_DIR
     config_dir.mkdir(exist_ok=True)
     config = open_clip.get_model_config(model_name)
-    _atomic_write_bytes(config_dir / f"{model_name}.json",
-                        lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True)))
+    atomic_write_text(config_dir / f"{model_name}.json", json.dumps(config, indent=2, sort_keys=True))
 
 
 def read_export_metadata(export_dir: Path) -> dict:

@@ -34,9 +34,14 @@ def encode_images(model: nn.Module, preprocess: Callable, paths: Sequence[Path],
     """L2-normalised global image features [N, D]."""
     chunks = []
     for i in range(0, len(paths), batch_size):
-        pixels = torch.stack([preprocess(Image.open(p).convert("RGB")) for p in paths[i:i + batch_size]])
+        pixels = torch.stack([preprocess(_rgb(p)) for p in paths[i:i + batch_size]])
         chunks.append(model.encode_image(pixels))
     return F.normalize(torch.cat(chunks).float(), dim=-1)
+
+
+def _rgb(path: Path) -> Image.Image:
+    with Image.open(path) as image:  # closed at once: thousands of images per evaluation
+        return image.convert("RGB")
 
 
 def swap_outcomes(sim: Tensor) -> Dict[str, bool]:
