@@ -6,7 +6,9 @@ from pathlib import Path
 
 import lightning as L
 
+from lightning_modules.evaluation import flat_scalars, run_all
 from lightning_modules.export import export_model
+from lightning_modules.scorers import ClipScorer
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +57,42 @@ class ExportCallback(L.Callback):
                  "initialised_from": module.cfg.model.pretrained}
         path = export_model(module.clip, module.model_name, self.export_dir, extra)
         log.info("exported %s (step %d) to %s", module.model_name, trainer.global_step, path)
+
+
+class BenchmarkEvaluation(L.Callback):
+    """Scores the model on benchmarks every N optimizer steps (rank 0) and logs eval/<benchmark>/<metric>.
+
+    The benchmarks are read when the callback is built, so a missing benchmark folder stops the run before
+    training, not hours into it. Other ranks wait at a barrier while rank 0 evaluates (a long evaluation
+    under NCCL needs a process-group timeout longer than the evaluation). The model is scored with the
+    standard global cosine (`ClipScorer`) in its current weights and returned to training mode afterwards.
+    """
+
+    def __init__(self, benchmarks: dict, every_n_steps: int, batch_size: int = 256):
+        if every_n_steps <= 0:
+            raise ValueError("evaluation.every_n_steps must be positive when evaluation.benchmarks is set")
+        self.benchmarks = benchmarks
+        self.every_n_steps = every_n_steps
+        self.batch_size = batch_size
+        self.last_results: list = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args) -> None:
+        step = trainer.global_step
+        if trainer.sanity_checking or step == 0 or step % self.every_n_steps:
+            return
+        if trainer.is_global_zero:
+            self.last_results = self._evaluate(module)
+            if trainer.logger is not None:
+                trainer.logger.log_metrics(flat_scalars(self.last_results), step=step)
+        trainer.strategy.barrier("benchmark_evaluation")
+
+    def _evaluate(self, module: L.LightningModule) -> list:
+        clip = module.clip
+        was_training = clip.training
+        precision = "bf16" if module.device.type == "cuda" else "fp32"
+        scorer = ClipScorer(clip, module.tokenizer, module.preprocess_val, device=str(module.device),
+                            precision=precision, batch_size=self.batch_size)
+        try:
+            return run_all(self.benchmarks, scorer)
+        finally:
+            clip.train(was_training)

@@ -10,7 +10,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
@@ -155,6 +155,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    # Benchmarks (keys of datamodules.benchmarks.BENCHMARKS) scored during training every `every_n_steps`
+    # optimizer steps on rank 0 and logged to TensorBoard as eval/<benchmark>/<metric>. Empty or 0 = off.
+    benchmarks: List[str] = field(default_factory=list)
+    every_n_steps: int = 0
+    # Each benchmark reads <data_root>/<name>/ unless `roots` names its folder.
+    data_root: str = "data/benchmarks"
+    roots: Dict[str, str] = field(default_factory=dict)
+    # Constructor options per benchmark, e.g. {sugarcrepe: {images: /data/coco/val2017}}.
+    options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    batch_size: int = 256
+
+
+@dataclass
 class ExperimentConfig:
     experiment: str = "default"
     # Run directories are runs_root/<experiment>/ (stable, so a rerun or a SLURM requeue resumes).
@@ -169,6 +183,7 @@ class ExperimentConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
 
 class ConfigError(ValueError):
@@ -183,9 +198,15 @@ _CHOICES = {
 }
 
 
+# Mappings whose keys are names (benchmarks), not schema fields.
+OPEN_MAPPINGS = ("evaluation.roots", "evaluation.options")
+
+
 def schema() -> DictConfig:
     cfg = OmegaConf.structured(ExperimentConfig)
     OmegaConf.set_struct(cfg, True)
+    for free_form in OPEN_MAPPINGS:  # keyed by benchmark name: any key is valid
+        OmegaConf.set_struct(OmegaConf.select(cfg, free_form), False)
     return cfg
 
 

@@ -21,8 +21,9 @@ from omegaconf import DictConfig
 from datamodules.coco import CocoDataModule
 from lightning_modules import method_class
 from lightning_modules.base import CompositionalCLIPModule
-from lightning_modules.callbacks import ExportCallback, LastCheckpoint
+from lightning_modules.callbacks import BenchmarkEvaluation, ExportCallback, LastCheckpoint
 from lightning_modules.config import load_config_or_exit, save_config
+from lightning_modules.evaluation import build_benchmarks, default_roots
 
 log = logging.getLogger("lightning_modules.fit")
 
@@ -94,7 +95,16 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> List[L.Callback]:
             dirpath=run_dir / CHECKPOINT_DIR, filename="best-{step}", monitor=cfg.checkpoint.monitor,
             mode=cfg.checkpoint.mode, save_top_k=1, auto_insert_metric_name=False,
             save_on_train_epoch_end=False))  # only after validation, where the metric is fresh
+    if cfg.evaluation.benchmarks and cfg.evaluation.every_n_steps:
+        callbacks.append(build_evaluation_callback(cfg.evaluation))
     return callbacks
+
+
+def build_evaluation_callback(evaluation: DictConfig) -> BenchmarkEvaluation:
+    roots = default_roots(Path(evaluation.data_root), {k: Path(v) for k, v in evaluation.roots.items()})
+    options = {name: dict(values) for name, values in evaluation.options.items()}
+    benchmarks = build_benchmarks(list(evaluation.benchmarks), roots, options)
+    return BenchmarkEvaluation(benchmarks, evaluation.every_n_steps, evaluation.batch_size)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:

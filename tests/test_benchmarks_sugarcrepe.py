@@ -40,7 +40,7 @@ def test_reads_the_official_files_by_key(tmp_path):
     ids = {item.id for item in items}
     assert "swap_obj/107" in ids and "swap_obj/108" not in ids and "swap_obj/109" in ids
     first = items[0]
-    assert first.images[0].startswith(str(tmp_path / "coco")) and first.images[0].endswith(".jpg")
+    assert first.images[0].path.startswith(str(tmp_path / "coco")) and first.images[0].path.endswith(".jpg")
     assert len(first.texts) == 2 and first.meta["subset"] == "replace_obj"
 
 

@@ -255,3 +255,35 @@ def test_corrupt_training_image_is_skipped_and_counted_in_tensorboard(shapes_roo
     assert sum(e.value for e in events.Scalars("train/data/bad_image")) == 2  # one epoch sees every sample
     with pytest.raises(Exception, match=victim.name):
         run(tiny_config(data, tmp_path / "strict", "trainer.max_steps=4", "trainer.limit_val_batches=0"))
+
+
+class TrainingModeAtEveryStep(L.Callback):
+    def __init__(self):
+        self.modes = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.modes.append(module.clip.training)
+
+
+def test_benchmarks_are_scored_during_training_and_logged(shapes_root, tmp_path):
+    from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
+
+    write_sugarcrepe(tmp_path / "bench" / "sugarcrepe", n_items=14)
+    modes = TrainingModeAtEveryStep()
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=4", "evaluation.benchmarks=[sugarcrepe]",
+                    "evaluation.every_n_steps=2", f"evaluation.data_root={tmp_path / 'bench'}"), [modes])
+    events = EventAccumulator(str(tmp_path / "demo_pretrain" / "tb" / "version_0"))
+    events.Reload()
+    logged = events.Scalars("eval/sugarcrepe/overall_micro")
+    assert [event.step for event in logged] == [2, 4]
+    assert all(0.0 <= event.value <= 100.0 for event in logged)
+    assert modes.modes == [True] * 4  # scoring put the model in eval mode; it is back in training mode
+
+
+def test_a_missing_evaluation_benchmark_stops_before_training(shapes_root, tmp_path):
+    from datamodules.benchmarks import MissingBenchmarkData
+
+    with pytest.raises(MissingBenchmarkData, match="replace_obj.json"):
+        run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=4", "evaluation.benchmarks=[sugarcrepe]",
+                        "evaluation.every_n_steps=2", f"evaluation.data_root={tmp_path / 'nowhere'}"))
+    assert not (tmp_path / "demo_pretrain" / "checkpoints").exists()

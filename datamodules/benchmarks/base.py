@@ -1,17 +1,50 @@
 """What every benchmark provides: items from its official files, a per-item rule, and aggregates.
 
-Every aggregate is computed from stored per-item outcomes, and every comparison is a strict `>`: a tie is
-wrong (np.argmax would silently break ties toward the first option, which flips the answer between
-datasets whose gold index is 0 and those whose gold index is 1).
+Two kinds of benchmark share one base:
+- `ItemBenchmark`: each item is a few images and a few texts scored as a small similarity matrix
+  `[len(images), len(texts)]` (SugarCrepe, ARO, VALSE, Winoground, ...). The runner encodes every unique
+  image and text once, then asks `outcome(item, similarity)` for the stored per-item result.
+- Whole-set benchmarks (retrieval, zero-shot, STS) override `outcomes(scorer)` and score the full set.
+
+Every aggregate is computed from the stored per-item outcomes, so a results folder can be re-aggregated and
+audited. Every comparison is a strict `>`: a tie is wrong. (`np.argmax`, used by the ARO and What'sUp
+reference code, breaks ties toward the first option, which makes a tie right on COCO-Order, whose gold index
+is 0, and wrong on VG-Relation, whose gold index is 1. One rule for all avoids that.)
 """
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:  # the scorer imports torch and open_clip; benchmarks themselves stay light
+    from lightning_modules.scorers import Scorer
+
+Outcome = Dict[str, object]
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where an image is: a file, optionally cropped, or a cell of a container file.
+
+    Attributes:
+        path: the image file, or the container (a parquet file) when `member` is set.
+        box: optional crop `(x, y, w, h)` in pixels, applied after decoding (ARO's `bbox_*` fields).
+        member: for a parquet container, `"<column>:<row>"` whose cell holds `{"bytes", "path"}` (the
+            Hugging Face image feature).
+    """
+
+    path: str
+    box: Optional[Tuple[float, float, float, float]] = None
+    member: Optional[str] = None
+
+    @property
+    def file(self) -> Path:
+        return Path(self.path)
 
 
 @dataclass
@@ -19,9 +52,9 @@ class Item:
     """One benchmark item: its images and texts, scored as a similarity matrix [len(images), len(texts)]."""
 
     id: str
-    images: List[str]
+    images: List[ImageRef]
     texts: List[str]
-    meta: Dict[str, str] = field(default_factory=dict)
+    meta: Dict[str, object] = field(default_factory=dict)
 
 
 class MissingBenchmarkData(FileNotFoundError):
@@ -29,9 +62,15 @@ class MissingBenchmarkData(FileNotFoundError):
 
 
 class Benchmark(ABC):
-    """A benchmark over the files under `root` (its official layout)."""
+    """A benchmark over the files under `root` (its official layout).
+
+    Subclasses set `name` (the registry key), `headline` (the aggregate keys a summary table shows) and
+    `description`, and implement `required_files`, `outcomes` and `aggregate`.
+    """
 
     name: str = ""
+    headline: Tuple[str, ...] = ()
+    description: str = ""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -39,26 +78,93 @@ class Benchmark(ABC):
 
     @abstractmethod
     def required_files(self) -> List[str]:
-        """Paths relative to `root` that must exist."""
+        """Paths relative to `root` that must exist (an alternative is written `a | b`)."""
 
     @abstractmethod
-    def items(self) -> List[Item]:
-        """Every item, read from the official files."""
+    def outcomes(self, scorer: "Scorer", progress: bool = False) -> List[Outcome]:
+        """Every per-item result (JSON-serialisable dicts with an "id"), scored by `scorer`."""
 
+    @staticmethod
     @abstractmethod
-    def outcome(self, item: Item, similarity: np.ndarray) -> Dict[str, object]:
-        """The per-item result (stored, JSON-serialisable) from the item's similarity matrix."""
+    def aggregate(outcomes: Sequence[Outcome]) -> Dict[str, float]:
+        """The published aggregates (percent unless stated), computed from per-item outcomes only."""
 
-    @abstractmethod
-    def aggregate(self, outcomes: Sequence[Dict[str, object]]) -> Dict[str, float]:
-        """The published aggregates (percent), computed from per-item outcomes only."""
+    def image_refs(self) -> List[ImageRef]:
+        """Every image the benchmark reads (used by the leakage guard and the missing-image check)."""
+        return []
+
+    def coco_image_ids(self) -> Set[int]:
+        """COCO image ids among the benchmark's images, read from COCO-style file names."""
+        return {i for i in (coco_id_from_name(ref.path) for ref in self.image_refs()) if i is not None}
 
     def check_files(self) -> None:
-        missing = [name for name in self.required_files() if not (self.root / name).exists()]
+        missing = [name for name in self.required_files()
+                   if not any((self.root / option.strip()).exists() for option in name.split("|"))]
         if missing:
             raise MissingBenchmarkData(f"{self.name}: {self.root} lacks {', '.join(missing)}; expected files: "
                                        f"{', '.join(self.required_files())}")
 
 
+class ItemBenchmark(Benchmark):
+    """A benchmark of independent items, each scored from its own small similarity matrix."""
+
+    @abstractmethod
+    def items(self) -> List[Item]:
+        """Every item, read from the official files (cached after the first call)."""
+
+    @abstractmethod
+    def outcome(self, item: Item, similarity: np.ndarray) -> Outcome:
+        """The per-item result from the item's similarity matrix [len(item.images), len(item.texts)]."""
+
+    def image_refs(self) -> List[ImageRef]:
+        return unique(ref for item in self.items() for ref in item.images)
+
+    def outcomes(self, scorer: "Scorer", progress: bool = False) -> List[Outcome]:
+        items = self.items()
+        scorer.prepare(unique(ref for item in items for ref in item.images),
+                       unique(text for item in items for text in item.texts), progress=progress)
+        return [self.outcome(item, scorer.score(item.images, item.texts)) for item in items]
+
+
+def unique(values: Iterable) -> list:
+    """The distinct values in first-seen order (deterministic encoding order and output)."""
+    return list(dict.fromkeys(values))
+
+
+_COCO_NAME = re.compile(r"(?:COCO_[a-z]+\d{4}_)?(\d{12})\.(?:jpg|jpeg|png)$", re.IGNORECASE)
+
+
+def coco_id_from_name(path: str) -> Optional[int]:
+    """12-digit COCO ids from `000000391895.jpg` or `COCO_val2014_000000391895.jpg`; otherwise None."""
+    match = _COCO_NAME.search(str(path))
+    return int(match.group(1)) if match else None
+
+
 def percent(hits: Sequence[bool]) -> float:
+    """100 x the mean of the booleans; NaN for an empty list (an empty subset is not 0 % correct)."""
     return 100.0 * float(np.mean(hits)) if len(hits) else float("nan")
+
+
+def beats_all(similarity_row: np.ndarray, gold: int) -> bool:
+    """Whether option `gold` scores strictly above every other option (a tie is wrong)."""
+    others = np.delete(np.asarray(similarity_row), gold)
+    return bool(np.all(similarity_row[gold] > others))
+
+
+def grouped_percent(outcomes: Sequence[Outcome], key: str, value: str = "correct",
+                    keep: Optional[Callable[[str, List[bool]], bool]] = None) -> Dict[str, float]:
+    """Accuracy per group `outcome[key]`, in first-seen group order; `keep(group, hits)` filters groups."""
+    groups: Dict[str, List[bool]] = {}
+    for outcome in outcomes:
+        groups.setdefault(str(outcome[key]), []).append(bool(outcome[value]))
+    return {group: percent(hits) for group, hits in groups.items() if keep is None or keep(group, hits)}
+
+
+def macro(values: Iterable[float]) -> float:
+    """Unweighted mean of per-group accuracies (NaN groups are an error, not silently dropped)."""
+    values = list(values)
+    if not values:
+        return float("nan")
+    if any(np.isnan(v) for v in values):
+        raise ValueError("macro average over a group with no items")
+    return float(np.mean(values))

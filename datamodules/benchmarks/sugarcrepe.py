@@ -10,21 +10,24 @@ vl_compo and the TFLocal paper report).
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from datamodules.benchmarks.base import Benchmark, Item, percent
+from datamodules.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent
 
 SUBSETS = ("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att")
 CATEGORIES = ("replace", "swap", "add")
 
 
-class SugarCrepe(Benchmark):
+class SugarCrepe(ItemBenchmark):
     """Args: root (the 7 JSON files), images (COCO val2017 folder; default `<root>/val2017`)."""
 
     name = "sugarcrepe"
+    headline = SUBSETS + ("overall_micro", "overall_macro")
+    description = "SugarCrepe: 2-way image-to-text accuracy per subset (%)"
 
     def __init__(self, root: str | Path, images: Optional[str | Path] = None):
         super().__init__(root)
@@ -34,19 +37,23 @@ class SugarCrepe(Benchmark):
         return [f"{subset}.json" for subset in SUBSETS]
 
     def items(self) -> List[Item]:
+        return self._items
+
+    @cached_property
+    def _items(self) -> List[Item]:
         return [item for subset in SUBSETS for item in self._subset_items(subset)]
 
     def _subset_items(self, subset: str) -> List[Item]:
         entries = json.loads((self.root / f"{subset}.json").read_text())
-        return [Item(id=f"{subset}/{key}", images=[str(self.images / entry["filename"])],
+        return [Item(id=f"{subset}/{key}", images=[ImageRef(str(self.images / entry["filename"]))],
                      texts=[entry["caption"], entry["negative_caption"]], meta={"subset": subset})
                 for key, entry in entries.items()]
 
-    def outcome(self, item: Item, similarity: np.ndarray) -> Dict[str, object]:
+    def outcome(self, item: Item, similarity: np.ndarray) -> Outcome:
         return {"id": item.id, "subset": item.meta["subset"], "correct": bool(similarity[0, 0] > similarity[0, 1])}
 
     @staticmethod
-    def aggregate(outcomes: Sequence[Dict[str, object]]) -> Dict[str, float]:
+    def aggregate(outcomes: Sequence[Outcome]) -> Dict[str, float]:
         by_subset = {s: [o["correct"] for o in outcomes if o["subset"] == s] for s in SUBSETS}
         result = {subset: percent(hits) for subset, hits in by_subset.items()}
         for category in CATEGORIES:

@@ -1,0 +1,178 @@
+"""`python -m lightning_modules.evaluate`: score a model on compositional benchmarks, retrieval, zero-shot, STS.
+
+Examples:
+    python -m lightning_modules.evaluate --run runs/negclip --benchmarks sugarcrepe,aro_vg_relation \
+        --data-root /data/benchmarks --set sugarcrepe.images=/data/coco/val2017
+    python -m lightning_modules.evaluate --model ViT-B-32 --pretrained openai --all --data-root /data/benchmarks
+    python -m lightning_modules.evaluate --list
+
+Each benchmark reads `<data-root>/<name>/` unless `--root NAME=DIR` says otherwise; `--set NAME.OPTION=VALUE`
+passes a constructor option (image folders, splits). Results go to `--out` (default `<run>/eval`, or
+`eval/<model>-<pretrained>`): per-item `<name>/outcomes.jsonl`, `aggregates.json`, `results.md`, `results.csv`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import yaml
+
+from datamodules.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
+from lightning_modules.evaluation import (AGGREGATES_FILE, available_benchmarks, build_benchmarks, default_roots,
+                                          log_to_tensorboard, markdown_tables, reaggregate, run_all, write_results)
+from lightning_modules.scorers import PRECISIONS, ClipScorer
+
+log = logging.getLogger("lightning_modules.evaluate")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--run", type=Path, help="a training run directory (evaluates its export/)")
+    model.add_argument("--model", help="open_clip model name (with --pretrained)")
+    parser.add_argument("--pretrained", help="open_clip pretrained tag or checkpoint path")
+    add_benchmark_arguments(parser)
+    parser.add_argument("--out", type=Path, help="results folder")
+    parser.add_argument("--tensorboard", type=Path, nargs="?", const=True, default=None,
+                        help="also log the aggregates as TensorBoard scalars (default folder: <run>/tb/eval)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and the files each expects")
+    parser.add_argument("--reaggregate", type=Path, metavar="DIR",
+                        help="recompute aggregates from a results folder's per-item outcomes and print them")
+    return parser.parse_args(argv)
+
+
+def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark-selection flags shared with the leakage guard."""
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--benchmarks", help="comma-separated registry names")
+    chosen.add_argument("--all", action="store_true", help="every benchmark whose files are present")
+    parser.add_argument("--data-root", type=Path, help="folder holding one sub-folder per benchmark")
+    parser.add_argument("--root", action="append", default=[], metavar="NAME=DIR", help="one benchmark's root")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME.OPTION=VALUE",
+                        help="a benchmark constructor option (value parsed as YAML)")
+
+
+def parse_pairs(specs: Sequence[str], flag: str) -> Dict[str, str]:
+    pairs = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag} expects KEY=VALUE, got {spec!r}")
+        pairs[key] = value
+    return pairs
+
+
+def parse_options(specs: Sequence[str]) -> Dict[str, Dict[str, object]]:
+    """`--set sugarcrepe.images=/coco/val2017` -> {"sugarcrepe": {"images": "/coco/val2017"}}."""
+    options: Dict[str, Dict[str, object]] = {}
+    for key, value in parse_pairs(specs, "--set").items():
+        name, dot, option = key.partition(".")
+        if not dot:
+            raise SystemExit(f"--set expects NAME.OPTION=VALUE, got {key!r}")
+        check_names([name])
+        options.setdefault(name, {})[option] = yaml.safe_load(value)
+    return options
+
+
+def check_names(names: Sequence[str]) -> None:
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {', '.join(unknown)}; registered: {', '.join(BENCHMARKS)}")
+
+
+def list_benchmarks() -> str:
+    """Each benchmark's description and the files it expects (from the error a root without them raises)."""
+    lines = []
+    for name, cls in BENCHMARKS.items():
+        try:
+            build_benchmark(name, Path("<root>"))
+            expected = ""
+        except MissingBenchmarkData as err:
+            expected = str(err).partition("expected files: ")[2]
+        lines += [f"{name}: {cls.description}", f"    expects under its root: {expected}"]
+    return "\n".join(lines)
+
+
+def build_scorer(args: argparse.Namespace) -> ClipScorer:
+    kwargs = dict(device=args.device, precision=args.precision, batch_size=args.batch_size,
+                  num_workers=args.num_workers)
+    if args.run:
+        return ClipScorer.from_export(args.run / "export", **kwargs)
+    if not args.model:
+        raise SystemExit("give --run RUN_DIR or --model NAME --pretrained TAG_OR_PATH")
+    return ClipScorer.from_pretrained(args.model, args.pretrained, **kwargs)
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    if args.out:
+        return args.out
+    if args.run:
+        return args.run / "eval"
+    label = f"{args.model}-{Path(str(args.pretrained)).stem if args.pretrained else 'random'}"
+    return Path("eval") / label
+
+
+def tensorboard_dir(args: argparse.Namespace, out: Path) -> Path:
+    if args.tensorboard is not True:
+        return args.tensorboard
+    return args.run / "tb" / "eval" if args.run else out / "tb"
+
+
+def select_benchmarks(args: argparse.Namespace):
+    roots = default_roots(args.data_root, {k: Path(v) for k, v in parse_pairs(args.root, "--root").items()})
+    check_names(list(parse_pairs(args.root, "--root")))
+    options = parse_options(args.set)
+    if args.all:
+        built, skipped = available_benchmarks(roots, options)
+        for message in skipped:
+            print(f"skipped: {message}", file=sys.stderr)
+        if not built:
+            raise SystemExit("--all found no benchmark files; see the messages above for what each expects")
+        return built
+    if not args.benchmarks:
+        raise SystemExit("give --benchmarks a,b,c or --all (see --list)")
+    names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
+    check_names(names)
+    try:
+        return build_benchmarks(names, roots, options)
+    except MissingBenchmarkData as err:
+        raise SystemExit(f"missing benchmark data:\n{err}") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    if args.list:
+        print(list_benchmarks())
+        return []
+    if args.reaggregate:
+        for name, aggregates in reaggregate(args.reaggregate).items():
+            print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in aggregates.items()})
+        return []
+    benchmarks = select_benchmarks(args)
+    scorer = build_scorer(args)
+    try:
+        results = run_all(benchmarks, scorer, progress=not args.no_progress)
+    except MissingBenchmarkData as err:
+        raise SystemExit(str(err)) from None
+    out = output_dir(args)
+    metadata = {**scorer.describe(), "benchmarks": ",".join(benchmarks)}
+    write_results(out, results, metadata)
+    if args.tensorboard is not None:
+        log_to_tensorboard(results, tensorboard_dir(args, out))
+    print(markdown_tables(results, metadata))
+    print(f"per-item outcomes and {AGGREGATES_FILE} in {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The evaluation harness: run benchmarks with a scorer, store per-item outcomes, aggregate, write tables.
+
+A results folder holds, per benchmark, `<name>/outcomes.jsonl` (one JSON object per item) and, for the run,
+`aggregates.json` (every aggregate plus what produced it), `results.md` and `results.csv`. The aggregates
+are a pure function of the outcomes: `reaggregate(folder)` recomputes them from the JSONL files.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+from datamodules.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData, build_benchmark
+from datamodules.benchmarks.base import Outcome
+from datamodules.benchmarks.images import missing_files
+from datamodules.files import atomic_write_text
+from lightning_modules.scorers import Scorer
+
+log = logging.getLogger(__name__)
+
+OUTCOMES_FILE = "outcomes.jsonl"
+AGGREGATES_FILE = "aggregates.json"
+NAMES_IN_ERROR = 5
+
+
+@dataclass
+class BenchmarkResult:
+    name: str
+    outcomes: List[Outcome]
+    aggregates: Dict[str, float]
+    seconds: float
+
+
+def check_images(benchmark: Benchmark) -> None:
+    """Fail before any encoding when images are missing: a partial benchmark gives a silently wrong number."""
+    missing = missing_files(benchmark.image_refs())
+    if missing:
+        shown = ", ".join(missing[:NAMES_IN_ERROR])
+        raise MissingBenchmarkData(f"{benchmark.name}: {len(missing)} image files are missing under "
+                                   f"{Path(missing[0]).parent} (e.g. {shown}); point the benchmark's images "
+                                   f"option at the right folder (--set {benchmark.name}.images=DIR)")
+
+
+def run_benchmark(benchmark: Benchmark, scorer: Scorer, progress: bool = False) -> BenchmarkResult:
+    """Per-item outcomes of `benchmark` under `scorer`, and the aggregates computed from them."""
+    check_images(benchmark)
+    start = time.perf_counter()
+    outcomes = benchmark.outcomes(scorer, progress=progress)
+    seconds = time.perf_counter() - start
+    return BenchmarkResult(benchmark.name, outcomes, benchmark.aggregate(outcomes), seconds)
+
+
+def build_benchmarks(names: Sequence[str], roots: Mapping[str, Path],
+                     options: Mapping[str, Mapping[str, object]]) -> Dict[str, Benchmark]:
+    """Every requested benchmark, or one error listing each that cannot be read (and what it expects)."""
+    built, problems = {}, []
+    for name in names:
+        try:
+            built[name] = build_benchmark(name, roots[name], **options.get(name, {}))
+        except MissingBenchmarkData as err:
+            problems.append(str(err))
+    if problems:
+        raise MissingBenchmarkData("\n".join(problems))
+    return built
+
+
+def available_benchmarks(roots: Mapping[str, Path], options: Mapping[str, Mapping[str, object]]
+                         ) -> tuple[Dict[str, Benchmark], List[str]]:
+    """For `--all`: the registered benchmarks whose files exist, and messages for those skipped."""
+    built, skipped = {}, []
+    for name in BENCHMARKS:
+        try:
+            built[name] = build_benchmark(name, roots[name], **options.get(name, {}))
+        except MissingBenchmarkData as err:
+            skipped.append(str(err))
+    return built, skipped
+
+
+def write_results(out_dir: Path, results: Sequence[BenchmarkResult], metadata: Mapping[str, object]) -> None:
+    """Outcomes JSONL per benchmark, then aggregates JSON, Markdown and CSV for the run (atomic writes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for result in results:
+        (out_dir / result.name).mkdir(exist_ok=True)
+        lines = "".join(json.dumps(outcome, sort_keys=True) + "\n" for outcome in result.outcomes)
+        atomic_write_text(out_dir / result.name / OUTCOMES_FILE, lines)
+    document = {"metadata": dict(metadata),
+                "benchmarks": {r.name: {"aggregates": r.aggregates, "items": len(r.outcomes),
+                                        "seconds": round(r.seconds, 3)} for r in results}}
+    atomic_write_text(out_dir / AGGREGATES_FILE, json.dumps(_finite(document), indent=2, sort_keys=True))
+    atomic_write_text(out_dir / "results.md", markdown_tables(results, metadata))
+    atomic_write_text(out_dir / "results.csv", csv_table(results))
+
+
+def _finite(value):
+    """JSON has no NaN: an empty group's accuracy is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return "n/a" if not math.isfinite(value) else f"{value:.2f}"
+    return str(value)
+
+
+def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, object]) -> str:
+    """A headline table (one row per benchmark) and a full table per benchmark."""
+    lines = ["# Evaluation results", "", ", ".join(f"{k}: {v}" for k, v in metadata.items()), "",
+             "| benchmark | items | headline |", "|---|---:|---|"]
+    for result in results:
+        headline = BENCHMARKS[result.name].headline or tuple(result.aggregates)
+        shown = ", ".join(f"{key} {_fmt(result.aggregates.get(key, float('nan')))}" for key in headline)
+        lines.append(f"| {result.name} | {len(result.outcomes)} | {shown} |")
+    for result in results:
+        lines += ["", f"## {result.name}", "", BENCHMARKS[result.name].description, "",
+                  "| metric | value |", "|---|---:|"]
+        lines += [f"| {key} | {_fmt(value)} |" for key, value in result.aggregates.items()]
+    return "\n".join(lines) + "\n"
+
+
+def csv_table(results: Sequence[BenchmarkResult]) -> str:
+    """Long format: benchmark, metric, value (empty for an undefined value)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["benchmark", "metric", "value"])
+    for result in results:
+        for key, value in result.aggregates.items():
+            finite = not isinstance(value, float) or math.isfinite(value)
+            writer.writerow([result.name, key, value if finite else ""])
+    return buffer.getvalue()
+
+
+def read_outcomes(path: Path) -> List[Outcome]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def reaggregate(out_dir: Path) -> Dict[str, Dict[str, float]]:
+    """The aggregates recomputed from each benchmark's stored per-item outcomes."""
+    return {path.parent.name: BENCHMARKS[path.parent.name].aggregate(read_outcomes(path))
+            for path in sorted(Path(out_dir).glob(f"*/{OUTCOMES_FILE}")) if path.parent.name in BENCHMARKS}
+
+
+def flat_scalars(results: Iterable[BenchmarkResult], prefix: str = "eval") -> Dict[str, float]:
+    """`eval/<benchmark>/<metric>` -> value, finite numbers only (for loggers)."""
+    return {f"{prefix}/{r.name}/{key}": float(value) for r in results for key, value in r.aggregates.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
+
+
+def log_to_tensorboard(results: Sequence[BenchmarkResult], log_dir: Path, step: int = 0) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(log_dir)) as writer:
+        for tag, value in flat_scalars(results).items():
+            writer.add_scalar(tag, value, global_step=step)
+
+
+def default_roots(data_root: Optional[Path], overrides: Mapping[str, Path]) -> Dict[str, Path]:
+    """Each benchmark's root: an explicit override, else `<data_root>/<name>`."""
+    base = Path(data_root) if data_root else Path("data/benchmarks")
+    return {name: Path(overrides.get(name, base / name)) for name in BENCHMARKS}
+
+
+def run_all(benchmarks: Mapping[str, Benchmark], scorer: Scorer, progress: bool = False) -> List[BenchmarkResult]:
+    results = []
+    for name, benchmark in benchmarks.items():
+        log.info("evaluating %s", name)
+        results.append(run_benchmark(benchmark, scorer, progress=progress))
+        log.info("%s: %d items in %.1f s", name, len(results[-1].outcomes), results[-1].seconds)
+    return results

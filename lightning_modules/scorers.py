@@ -1,0 +1,225 @@
+"""Scorers: what a benchmark asks a model for, `score(images, texts) -> similarity matrix`.
+
+`ClipScorer` (the default) is the global cosine of an open_clip model. It encodes each unique image and text
+once per run, in batches, and keeps the embeddings, so a benchmark that reuses an image across many items
+(COCO-Order: 5 captions per image; SugarCrepe: up to 7 subsets per image) pays for it once. Other scorers
+(structure-guided inference, the TFLocal aligner) implement `score`, and `prepare` when they can precompute.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from datamodules.benchmarks.base import ImageRef, unique
+from datamodules.benchmarks.images import load_image
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Scorer(ABC):
+    """Similarity of images and texts; larger means a better match."""
+
+    def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
+        """Precompute whatever `score` will need for these images and texts (optional)."""
+
+    @abstractmethod
+    def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
+        """Similarity matrix [len(images), len(texts)]."""
+
+    def score_groups(self, images: Sequence[ImageRef], text_groups: Sequence[Sequence[str]]) -> np.ndarray:
+        """[len(images), len(groups)]: a group of texts (prompt templates of one class) as one column.
+
+        The default averages the group's similarities; embedding scorers average the embeddings instead.
+        """
+        columns = [self.score(images, list(group)).mean(axis=1) for group in text_groups]
+        return np.stack(columns, axis=1)
+
+    def text_similarity(self, first: Sequence[str], second: Sequence[str]) -> np.ndarray:
+        """Pairwise similarity of first[i] and second[i] (text-only probes such as STS)."""
+        raise NotImplementedError(f"{type(self).__name__} has no text embedding; STS needs an embedding scorer")
+
+    def describe(self) -> Dict[str, object]:
+        """What produced the numbers, stored with the results."""
+        return {"scorer": type(self).__name__}
+
+
+class FunctionScorer(Scorer):
+    """A scorer from a plain function `similarity(image_ref, text) -> float` (tests, quick experiments)."""
+
+    def __init__(self, similarity: Callable[[ImageRef, str], float]):
+        self.similarity = similarity
+
+    def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
+        return np.array([[self.similarity(image, text) for text in texts] for image in images], dtype=np.float64)
+
+
+class EmbeddingTable:
+    """Embeddings by key, appended in chunks, looked up as one matrix."""
+
+    def __init__(self) -> None:
+        self.row: Dict[Hashable, int] = {}
+        self._chunks: List[Tensor] = []
+        self._matrix: Optional[Tensor] = None
+
+    def missing(self, keys: Sequence[Hashable]) -> list:
+        return [key for key in unique(keys) if key not in self.row]
+
+    def add(self, keys: Sequence[Hashable], embeddings: Tensor) -> None:
+        for key in keys:
+            self.row[key] = len(self.row)
+        self._chunks.append(embeddings)
+        self._matrix = None
+
+    def lookup(self, keys: Sequence[Hashable]) -> Tensor:
+        if self._matrix is None:
+            self._matrix = torch.cat(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+            self._chunks = [self._matrix]
+        return self._matrix[[self.row[key] for key in keys]]
+
+
+class EmbeddingScorer(Scorer):
+    """Cosine similarity of L2-normalised embeddings, each unique image and text embedded once."""
+
+    def __init__(self, batch_size: int = 256):
+        self.batch_size = batch_size
+        self.images = EmbeddingTable()
+        self.texts = EmbeddingTable()
+
+    @abstractmethod
+    def embed_images(self, refs: Sequence[ImageRef], progress: bool) -> Tensor:
+        """Embeddings [len(refs), D] (any scale; they are normalised here)."""
+
+    @abstractmethod
+    def embed_texts(self, texts: Sequence[str], progress: bool) -> Tensor:
+        """Embeddings [len(texts), D]."""
+
+    def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
+        self._fill(self.images, images, self.embed_images, progress)
+        self._fill(self.texts, texts, self.embed_texts, progress)
+
+    @staticmethod
+    def _fill(table: EmbeddingTable, keys: Sequence, embed: Callable, progress: bool) -> None:
+        todo = table.missing(keys)
+        if todo:
+            table.add(todo, F.normalize(embed(todo, progress).float().cpu(), dim=-1))
+
+    def image_embeddings(self, refs: Sequence[ImageRef]) -> Tensor:
+        self._fill(self.images, refs, self.embed_images, False)
+        return self.images.lookup(refs)
+
+    def text_embeddings(self, texts: Sequence[str]) -> Tensor:
+        self._fill(self.texts, texts, self.embed_texts, False)
+        return self.texts.lookup(texts)
+
+    def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
+        return (self.image_embeddings(images) @ self.text_embeddings(texts).T).numpy()
+
+    def score_groups(self, images: Sequence[ImageRef], text_groups: Sequence[Sequence[str]]) -> np.ndarray:
+        """CLIP's prompt ensembling: the normalised mean of a group's normalised embeddings."""
+        groups = torch.stack([self.text_embeddings(list(group)).mean(dim=0) for group in text_groups])
+        return (self.image_embeddings(images) @ F.normalize(groups, dim=-1).T).numpy()
+
+    def text_similarity(self, first: Sequence[str], second: Sequence[str]) -> np.ndarray:
+        return (self.text_embeddings(first) * self.text_embeddings(second)).sum(dim=-1).numpy()
+
+
+class _ImageFiles(Dataset):
+    def __init__(self, refs: Sequence[ImageRef], preprocess: Callable):
+        self.refs, self.preprocess = list(refs), preprocess
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, index: int) -> Tensor:
+        return self.preprocess(load_image(self.refs[index]))
+
+
+class ClipScorer(EmbeddingScorer):
+    """Global cosine of an open_clip model (`encode_image` / `encode_text`), the standard protocol.
+
+    Args:
+        model: an open_clip CLIP; put in eval mode here.
+        tokenizer: open_clip tokenizer (truncates to the context length, so over-long texts are cut, not
+            rejected, as the published numbers were computed).
+        preprocess: the validation image transform.
+        precision: "fp32" (default; the published open_clip numbers), "bf16" or "fp16" autocast.
+        num_workers: image-decoding processes.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Callable, preprocess: Callable, device: str = "cpu",
+                 precision: str = "fp32", batch_size: int = 256, num_workers: int = 0,
+                 metadata: Optional[Dict[str, object]] = None):
+        super().__init__(batch_size)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        self.model = model.eval()
+        self.tokenizer, self.preprocess = tokenizer, preprocess
+        self.device, self.precision, self.num_workers = torch.device(device), precision, num_workers
+        self.metadata = dict(metadata or {})
+
+    @classmethod
+    def from_pretrained(cls, name: str, pretrained: Optional[str], config_dir: Optional[str] = "configs/models",
+                        **kwargs) -> "ClipScorer":
+        """open_clip `name` with weights `pretrained` (a tag or a file; None = random init); OpenAI-derived
+        weights get QuickGELU. `config_dir` registers extra model configs (the repo's tiny test models)."""
+        from lightning_modules.encoders import build_model
+
+        built = build_model(name, pretrained, config_dir)
+        return cls(built.model, built.tokenizer, built.preprocess_val,
+                   metadata={"model": built.name, "pretrained": pretrained}, **kwargs)
+
+    @classmethod
+    def from_export(cls, export_dir: Path, **kwargs) -> "ClipScorer":
+        """A model exported by `fit` (`runs/<experiment>/export`)."""
+        from lightning_modules.export import load_export
+
+        built = load_export(export_dir)
+        return cls(built.model, built.tokenizer, built.preprocess_val,
+                   metadata={"model": built.name, "pretrained": str(export_dir)}, **kwargs)
+
+    def describe(self) -> Dict[str, object]:
+        activation = "quickgelu" if _uses_quickgelu(self.model) else "gelu"
+        return {**super().describe(), **self.metadata, "precision": self.precision, "activation": activation,
+                "device": str(self.device)}
+
+    def _autocast(self):
+        dtype = PRECISIONS[self.precision]
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+    @torch.no_grad()
+    def embed_images(self, refs: Sequence[ImageRef], progress: bool) -> Tensor:
+        loader = DataLoader(_ImageFiles(refs, self.preprocess), batch_size=self.batch_size,
+                            num_workers=self.num_workers)
+        chunks = []
+        for pixels in tqdm(loader, desc="images", unit="batch", disable=not progress):
+            with self._autocast():
+                chunks.append(self.model.encode_image(pixels.to(self.device)).float().cpu())
+        return torch.cat(chunks)
+
+    @torch.no_grad()
+    def embed_texts(self, texts: Sequence[str], progress: bool) -> Tensor:
+        chunks = []
+        starts = range(0, len(texts), self.batch_size)
+        for start in tqdm(starts, desc="texts", unit="batch", disable=not progress):
+            tokens = self.tokenizer(list(texts[start:start + self.batch_size])).to(self.device)
+            with self._autocast():
+                chunks.append(self.model.encode_text(tokens).float().cpu())
+        return torch.cat(chunks)
+
+
+def _uses_quickgelu(model: nn.Module) -> bool:
+    from open_clip.transformer import QuickGELU
+
+    return any(isinstance(module, QuickGELU) for module in model.modules())

@@ -1,0 +1,134 @@
+"""`python -m perf.evaluate`: evaluation throughput (items/s) per benchmark on generated stand-in data.
+
+For each benchmark, stand-in files in the official format are written under `runs/perf_evaluate/<name>/`
+and the harness runs end to end with a fresh scorer (so every image and text is encoded). For item
+benchmarks the same first `--compare-items` items are also scored the way the reference scripts do (each
+item's images and texts encoded on their own, nothing reused), alternating with the harness, and the
+ratio of the two medians is printed. Random weights: throughput does not depend on them. A benchmark, not a
+test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from datamodules.benchmarks import build_benchmark
+from datamodules.benchmarks.base import ItemBenchmark, unique
+from datamodules.benchmarks.standin import STANDINS
+from lightning_modules.evaluation import run_benchmark
+from lightning_modules.scorers import ClipScorer, Scorer
+
+DEFAULT_ROOT = Path("runs/perf_evaluate")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--benchmarks", default=",".join(STANDINS), help="comma-separated registry names")
+    parser.add_argument("--items", type=int, default=400, help="stand-in items per benchmark")
+    parser.add_argument("--compare-items", type=int, default=60, help="items in the side-by-side comparison")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the comparison")
+    parser.add_argument("--model", default="ViT-B-32")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    parser.add_argument("--out", type=Path, default=Path("runs/perf_evaluate.json"))
+    return parser.parse_args(argv)
+
+
+class PerItemScorer(Scorer):
+    """The reference scripts' way: encode each item's images and texts every time, batch size = one item."""
+
+    def __init__(self, scorer: ClipScorer):
+        self.scorer = scorer
+
+    def score(self, images, texts) -> np.ndarray:
+        image = F.normalize(self.scorer.embed_images(images, False), dim=-1)
+        text = F.normalize(self.scorer.embed_texts(texts, False), dim=-1)
+        return (image @ text.T).numpy()
+
+
+def write_standin(name: str, root: Path, items: int) -> dict:
+    marker = root / name / f".standin-{items}.json"
+    if not marker.is_file():
+        options = STANDINS[name](root / name, n_items=items, seed=0)
+        marker.write_text(json.dumps({k: str(v) for k, v in options.items()}))
+    return json.loads(marker.read_text())
+
+
+def harness_seconds(benchmark: ItemBenchmark, items: list, make_scorer) -> float:
+    scorer = make_scorer()
+    start = time.perf_counter()
+    scorer.prepare(unique(r for item in items for r in item.images), unique(t for item in items for t in item.texts))
+    for item in items:
+        benchmark.outcome(item, scorer.score(item.images, item.texts))
+    return time.perf_counter() - start
+
+
+def per_item_seconds(benchmark: ItemBenchmark, items: list, make_scorer) -> float:
+    scorer = PerItemScorer(make_scorer())
+    start = time.perf_counter()
+    for item in items:
+        benchmark.outcome(item, scorer.score(item.images, item.texts))
+    return time.perf_counter() - start
+
+
+def compare(benchmark: ItemBenchmark, count: int, rounds: int, make_scorer) -> Dict[str, float]:
+    items = benchmark.items()[:count]
+    harness, per_item = [], []
+    for _ in range(rounds):  # alternate, so drift in machine load hits both sides alike
+        harness.append(harness_seconds(benchmark, items, make_scorer))
+        per_item.append(per_item_seconds(benchmark, items, make_scorer))
+    h, p = statistics.median(harness), statistics.median(per_item)
+    return {"compare_items": len(items), "harness_items_per_s": len(items) / h,
+            "per_item_items_per_s": len(items) / p, "speedup": p / h}
+
+
+def measure(name: str, args: argparse.Namespace, make_scorer) -> Dict[str, float]:
+    options = write_standin(name, args.root, args.items)
+    benchmark = build_benchmark(name, args.root / name, **options)
+    result = run_benchmark(benchmark, make_scorer())
+    row = {"items": len(result.outcomes), "seconds": result.seconds,
+           "items_per_s": len(result.outcomes) / result.seconds}
+    if isinstance(benchmark, ItemBenchmark) and args.compare_items:
+        row.update(compare(benchmark, args.compare_items, args.rounds, make_scorer))
+    return row
+
+
+def format_table(rows: Dict[str, Dict[str, float]]) -> str:
+    lines = ["| benchmark | items | items/s | per-item items/s | speedup |", "|---|---:|---:|---:|---:|"]
+    for name, row in rows.items():
+        per_item = f"{row['per_item_items_per_s']:.1f}" if "speedup" in row else "-"
+        speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
+        lines.append(f"| {name} | {row['items']} | {row['items_per_s']:.1f} | {per_item} | {speedup} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, float]]:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    scorer = ClipScorer.from_pretrained(args.model, None, batch_size=args.batch_size, num_workers=args.num_workers)
+
+    def make_scorer() -> ClipScorer:  # same weights, empty embedding caches
+        return ClipScorer(scorer.model, scorer.tokenizer, scorer.preprocess, batch_size=args.batch_size,
+                          num_workers=args.num_workers)
+
+    names: List[str] = [n.strip() for n in args.benchmarks.split(",") if n.strip()]
+    rows = {name: measure(name, args, make_scorer) for name in names}
+    print(f"\n{args.model} (random weights), CPU threads {torch.get_num_threads()}, "
+          f"{args.items} stand-in items per benchmark\n")
+    print(format_table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

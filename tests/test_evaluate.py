@@ -1,0 +1,155 @@
+"""The evaluation harness and its CLI: per-item outcomes, aggregates recomputed from them, tables, errors."""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from datamodules.benchmarks import BENCHMARKS, build_benchmark
+from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
+from datamodules.benchmarks.sugarcrepe import SUBSETS
+from lightning_modules import evaluate, leakage
+from lightning_modules.encoders import build_model
+from lightning_modules.evaluation import read_outcomes, reaggregate, run_benchmark
+from lightning_modules.export import export_model
+from lightning_modules.scorers import FunctionScorer
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data" / "sugarcrepe"
+TINY = "ViT-Tiny-16-64"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A run directory holding the export of a random tiny model, as fit leaves it."""
+    run = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)
+    built = build_model(TINY, None, "configs/models")
+    export_model(built.model, built.name, run / "export")
+    return run
+
+
+@pytest.fixture
+def data_root(tmp_path) -> Path:
+    write_sugarcrepe(tmp_path / "benchmarks" / "sugarcrepe", n_items=28)
+    return tmp_path / "benchmarks"
+
+
+def test_function_scorer_run_matches_a_hand_count(data_root):
+    """The positive caption wins iff the image name's id is even: accuracy is the share of even ids."""
+    benchmark = build_benchmark("sugarcrepe", data_root / "sugarcrepe")
+    even = lambda ref: int(Path(ref.path).stem) % 2 == 0  # noqa: E731
+    scorer = FunctionScorer(lambda ref, text: (1.0 if ("sitting" in text) == even(ref) else 0.0))
+    result = run_benchmark(benchmark, scorer)
+    expected = [even(item.images[0]) for item in benchmark.items()]
+    assert len(result.outcomes) == 28
+    assert result.aggregates["overall_micro"] == pytest.approx(100.0 * sum(expected) / len(expected))
+
+
+def test_cli_on_a_tiny_model_writes_outcomes_aggregates_and_tables(tiny_run, data_root, tmp_path):
+    out = tmp_path / "eval"
+    evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
+                   "--out", str(out), "--num-workers", "0", "--no-progress", "--tensorboard"])
+    outcomes = read_outcomes(out / "sugarcrepe" / "outcomes.jsonl")
+    assert len(outcomes) == 28 and all({"id", "subset", "correct"} <= set(o) for o in outcomes)
+    document = json.loads((out / "aggregates.json").read_text())
+    stored = document["benchmarks"]["sugarcrepe"]["aggregates"]
+    assert stored == pytest.approx(reaggregate(out)["sugarcrepe"])
+    assert document["metadata"]["model"] == TINY and document["metadata"]["precision"] == "fp32"
+    with open(out / "results.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {row["metric"] for row in rows} >= set(SUBSETS) | {"overall_micro", "overall_macro"}
+    assert "| sugarcrepe | 28 |" in (out / "results.md").read_text()
+    assert list((tiny_run / "tb" / "eval").glob("events.out.tfevents.*"))
+
+
+def test_cli_names_the_expected_files_of_a_missing_benchmark(tiny_run, tmp_path):
+    with pytest.raises(SystemExit, match="replace_obj.json"):
+        evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", "--data-root", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown benchmark.*registered"):
+        evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrap", "--data-root", str(tmp_path)])
+
+
+def test_all_skips_absent_benchmarks_and_runs_the_present_ones(tiny_run, data_root, tmp_path, capsys):
+    results = evaluate.main(["--run", str(tiny_run), "--all", "--data-root", str(data_root), "--out",
+                             str(tmp_path / "eval"), "--num-workers", "0", "--no-progress"])
+    assert [r.name for r in results] == ["sugarcrepe"]
+    assert "skipped:" in capsys.readouterr().err
+
+
+def test_missing_images_stop_before_encoding_with_the_option_to_fix_it(tiny_run, data_root, tmp_path):
+    shutil.rmtree(data_root / "sugarcrepe" / "val2017")
+    with pytest.raises(SystemExit, match=r"image files are missing.*--set sugarcrepe.images=DIR"):
+        evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
+                       "--out", str(tmp_path / "eval")])
+
+
+def test_set_passes_benchmark_options(tiny_run, data_root, tmp_path):
+    images = tmp_path / "coco_val2017"
+    shutil.move(str(data_root / "sugarcrepe" / "val2017"), images)
+    results = evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
+                             "--set", f"sugarcrepe.images={images}", "--out", str(tmp_path / "eval"),
+                             "--num-workers", "0", "--no-progress"])
+    assert len(results[0].outcomes) == 28
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared data folder is not beside the repo")
+def test_the_real_sugarcrepe_files_through_the_cli_with_stand_in_images(tiny_run, tmp_path):
+    root = tmp_path / "sugarcrepe"
+    root.mkdir()
+    for subset in SUBSETS:
+        shutil.copy(SHARED / f"{subset}.json", root)
+    names = {json.loads((root / f"{s}.json").read_text())[k]["filename"]
+             for s in ("swap_obj",) for k in json.loads((root / f"{s}.json").read_text())}
+    from datamodules.benchmarks.standin import write_image
+    for i, name in enumerate(sorted(names)):
+        write_image(root / "val2017" / name, seed=i, size=(24, 24))
+    keep = root / "swap_obj.json"
+    for subset in SUBSETS:  # score only swap_obj (245 real items); the other files are emptied
+        if root / f"{subset}.json" != keep:
+            (root / f"{subset}.json").write_text("{}")
+    results = evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", "--root", f"sugarcrepe={root}",
+                             "--out", str(tmp_path / "eval"), "--num-workers", "0", "--no-progress"])
+    assert len(results[0].outcomes) == 245
+    aggregates = json.loads((tmp_path / "eval" / "aggregates.json").read_text())["benchmarks"]["sugarcrepe"]
+    assert aggregates["aggregates"]["replace_obj"] is None  # an empty subset is undefined, not 0 %
+
+
+def test_list_runs_as_a_module_and_names_every_benchmark():
+    result = subprocess.run([sys.executable, "-m", "lightning_modules.evaluate", "--list"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for name in BENCHMARKS:
+        assert f"{name}:" in result.stdout
+    assert "replace_obj.json" in result.stdout
+
+
+def coco_captions(path: Path, image_ids) -> Path:
+    images = [{"id": i, "file_name": f"{i:012d}.jpg"} for i in image_ids]
+    annotations = [{"id": n, "image_id": i, "caption": "a photo"} for n, i in enumerate(image_ids)]
+    path.write_text(json.dumps({"images": images, "annotations": annotations}))
+    return path
+
+
+def test_leakage_guard_reports_the_overlap_and_writes_exclusions(data_root, tmp_path, capsys):
+    benchmark_ids = sorted(build_benchmark("sugarcrepe", data_root / "sugarcrepe").coco_image_ids())
+    train = coco_captions(tmp_path / "train.json", benchmark_ids[:3] + [1, 2])
+    exclusions = tmp_path / "exclude.json"
+    argv = ["--train", str(train), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
+            "--write-exclusions", str(exclusions)]
+    report = leakage.main(argv)
+    assert report["sugarcrepe"]["overlap"] == 3 and report["sugarcrepe"]["coco_images"] == len(benchmark_ids)
+    assert json.loads(exclusions.read_text()) == benchmark_ids
+    with pytest.raises(SystemExit) as exit_info:
+        leakage.main(argv + ["--fail-on-overlap"])
+    assert exit_info.value.code == 1
+    clean = coco_captions(tmp_path / "clean.json", [1, 2])
+    assert leakage.main(["--train", str(clean), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
+                         "--fail-on-overlap"])["sugarcrepe"]["overlap"] == 0
+    assert "| sugarcrepe |" in capsys.readouterr().out
