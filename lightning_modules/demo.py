@@ -1,4 +1,8 @@
-"""`python -m lightning_modules.demo --data DIR --run LABEL=RUN_DIR ...`: the demo's results table."""
+"""`python -m lightning_modules.demo --data DIR --run LABEL=RUN_DIR ...`: the demo's results table.
+
+The shapes world is scored with the evaluation harness: the swap set (`shapes_swap`) and image-text
+retrieval over the validation captions (`coco_retrieval` reading the shapes world's COCO-format JSON).
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +10,12 @@ import json
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
-from lightning_modules.shapes_eval import SWAP_TYPES, evaluate_export
+from datamodules.benchmarks.retrieval import CocoRetrieval
+from datamodules.benchmarks.two_by_two import ShapesSwap
+from lightning_modules.evaluation import run_benchmark
+from lightning_modules.scorers import ClipScorer
 
+SWAP_TYPES = ("attribute", "relation", "object")
 COLUMNS = [("text", "swap text"), ("image", "swap image"), ("group", "swap group")] + \
           [(f"acc_{t}", f"2-way {t}") for t in SWAP_TYPES] + [("i2t_r1", "I2T R@1"), ("t2i_r1", "T2I R@1")]
 
@@ -26,6 +34,15 @@ def parse_run(spec: str) -> Tuple[str, Path]:
     if not sep:
         raise SystemExit(f"--run expects LABEL=RUN_DIR, got {spec!r}")
     return label, Path(run_dir)
+
+
+def evaluate_export(export_dir: Path, data_root: Path, split: str = "val") -> Dict[str, float]:
+    """Swap-set scores and retrieval R@K of one exported model on the shapes world."""
+    scorer = ClipScorer.from_export(export_dir)
+    swap = ShapesSwap(data_root, split=split)
+    retrieval = CocoRetrieval(data_root, annotation_file=f"annotations/captions_{split}.json",
+                              images=Path(data_root) / "images" / split)
+    return {**run_benchmark(swap, scorer).aggregates, **run_benchmark(retrieval, scorer).aggregates}
 
 
 def markdown_table(results: Dict[str, Dict[str, float]]) -> str:

@@ -418,7 +418,8 @@ class AnnotationGrounder(ImageReader):
     """Ground-truth boxes instead of a detector.
 
     A phrase's boxes are the union of (1) the boxes of the request's gt phrase that best covers its words
-    (coverage >= `min_overlap`, see `best_gt_boxes`) and (2) with `instances_json`, every COCO instance of the image whose category name
+    (coverage >= `min_overlap`, see `best_gt_boxes`) and (2) with `instances_json`, every COCO instance of the
+    image whose category name
     the phrase mentions. All scores are 1.
 
     Args:

@@ -107,7 +107,7 @@ def test_the_real_sugarcrepe_files_through_the_cli_with_stand_in_images(tiny_run
         shutil.copy(SHARED / f"{subset}.json", root)
     names = {json.loads((root / f"{s}.json").read_text())[k]["filename"]
              for s in ("swap_obj",) for k in json.loads((root / f"{s}.json").read_text())}
-    from datamodules.benchmarks.standin import write_image
+    from datamodules.benchmarks.standin.images import write_image
     for i, name in enumerate(sorted(names)):
         write_image(root / "val2017" / name, seed=i, size=(24, 24))
     keep = root / "swap_obj.json"

@@ -134,7 +134,8 @@ def test_export_loads_in_plain_open_clip_with_identical_features(shapes_root, tm
     meta = json.loads((export_dir / "model.json").read_text())
     assert meta["model"] == TINY and meta["global_step"] == 3
     open_clip.add_model_config(export_dir / "model_configs")
-    model, _, preprocess = open_clip.create_model_and_transforms(meta["model"], pretrained=str(export_dir / "open_clip.pt"))
+    model, _, preprocess = open_clip.create_model_and_transforms(
+        meta["model"], pretrained=str(export_dir / "open_clip.pt"))
     model.eval()
     ids = module.tokenizer(["a red square left of a blue circle", "a small green triangle"])
     images = torch.randn(2, 3, 64, 64)

@@ -120,7 +120,8 @@ def write_captions(root: Path, captions: list, broken_image: bool = False) -> No
 def test_captions_without_entities_and_unreadable_images_are_counted_not_fatal(tmp_path):
     write_captions(tmp_path / "data", ["It is.", "a dog on a red sofa", "wow", "two cats"], broken_image=True)
     cfg = load_config([], [f"data.root={tmp_path / 'data'}", "data.train_annotations=captions.json",
-                           "data.train_images=images", "data.val_annotations=", f"preprocess.cache_root={tmp_path / 'c'}",
+                           "data.train_images=images", "data.val_annotations=",
+                           f"preprocess.cache_root={tmp_path / 'c'}",
                            "preprocess.grounder=none"])
     counts = preprocess.run(cfg)["train"]["counts"]
     assert counts["captions"] == 4 and counts["no_object"] == 2 and counts["unreadable_images"] == 1
@@ -159,5 +160,6 @@ def test_patch_mask_of_a_sample_is_one_of_its_phrases(shapes_root, tmp_path):
     dataset = datamodule.val_dataset
     sample = dataset[0]
     masks = dataset.masks
-    candidates = [boxes_to_patch_mask(masks.phrase_boxes(0, p), (0, 0, 64, 64), 64, 4) for p in range(masks.num_phrases(0))]
+    candidates = [boxes_to_patch_mask(masks.phrase_boxes(0, p), (0, 0, 64, 64), 64, 4)
+                  for p in range(masks.num_phrases(0))]
     assert any(np.array_equal(sample["patch_mask"].numpy(), c) for c in candidates)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from datamodules.benchmarks.base import ImageRef
 from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.standin import write_image
+from datamodules.benchmarks.standin.images import write_image
 from lightning_modules.scorers import ClipScorer, EmbeddingScorer, FunctionScorer
 
 

@@ -140,6 +140,12 @@ def coco_id_from_name(path: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def require(condition: bool, message: str) -> None:
+    """A malformed annotation is a ValueError that names the file and the record (project convention)."""
+    if not condition:
+        raise ValueError(message)
+
+
 def percent(hits: Sequence[bool]) -> float:
     """100 x the mean of the booleans; NaN for an empty list (an empty subset is not 0 % correct)."""
     return 100.0 * float(np.mean(hits)) if len(hits) else float("nan")

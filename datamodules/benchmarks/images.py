@@ -21,7 +21,7 @@ def load_image(ref: ImageRef) -> Image.Image:
         rgb = image.convert("RGB")
     if ref.box is not None:
         x, y, w, h = ref.box
-        rgb = rgb.crop((int(x), int(y), int(x + w), int(y + h)))
+        rgb = rgb.crop((x, y, x + w, y + h))  # PIL rounds float boxes, as the ARO reference does
     return rgb
 
 

@@ -4,25 +4,36 @@ The real benchmark files are not redistributable (or not reachable from here); t
 same schema with small generated images, so loaders, scorers and the CLI run end to end. Each family module
 exposes `write_<benchmark>(root, n_items, seed) -> options`, where `options` are the keyword arguments
 `build_benchmark(name, root, **options)` needs (for example an images folder outside the root).
+`STANDINS` maps every registered benchmark name to its writer (a test checks that none is missing).
 """
 from __future__ import annotations
 
-import random
-from pathlib import Path
-from typing import Tuple
+from typing import Callable, Dict
 
-from PIL import Image, ImageDraw
+from datamodules.benchmarks.standin import aro, retrieval, sts, sugarcrepe, two_by_two, valse, vlchecklist, whatsup
+from datamodules.benchmarks.standin import zeroshot
 
-PALETTE = ((220, 40, 40), (40, 160, 60), (40, 80, 220), (230, 200, 40), (150, 60, 180), (30, 30, 30))
-
-
-def write_image(path: Path, seed: int, size: Tuple[int, int] = (48, 40)) -> Path:
-    """A small image with a coloured background and one rectangle, different per seed."""
-    rng = random.Random(seed)
-    image = Image.new("RGB", size, rng.choice(PALETTE))
-    draw = ImageDraw.Draw(image)
-    x0, y0 = rng.randrange(size[0] // 2), rng.randrange(size[1] // 2)
-    draw.rectangle((x0, y0, x0 + size[0] // 3, y0 + size[1] // 3), fill=rng.choice(PALETTE))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
-    return path
+STANDINS: Dict[str, Callable[..., dict]] = {
+    "sugarcrepe": sugarcrepe.write_sugarcrepe,
+    "aro_vg_relation": aro.write_aro_vg_relation,
+    "aro_vg_attribution": aro.write_aro_vg_attribution,
+    "aro_coco_order": aro.write_aro_coco_order,
+    "aro_flickr_order": aro.write_aro_flickr_order,
+    "valse": valse.write_valse,
+    "vl_checklist": vlchecklist.write_vl_checklist,
+    "whatsup_a": whatsup.write_whatsup_a,
+    "whatsup_b": whatsup.write_whatsup_b,
+    "whatsup_coco_one": whatsup.write_whatsup_coco_one,
+    "whatsup_coco_two": whatsup.write_whatsup_coco_two,
+    "whatsup_gqa_one": whatsup.write_whatsup_gqa_one,
+    "whatsup_gqa_two": whatsup.write_whatsup_gqa_two,
+    "winoground": two_by_two.write_winoground,
+    "bivlc": two_by_two.write_bivlc,
+    "biscor_ctrl": two_by_two.write_biscor_ctrl,
+    "shapes_swap": two_by_two.write_shapes_swap,
+    "coco_retrieval": retrieval.write_coco_retrieval,
+    "flickr30k_retrieval": retrieval.write_flickr30k_retrieval,
+    "zeroshot": zeroshot.write_zeroshot,
+    "sickr": sts.write_sickr,
+    "stsb": sts.write_stsb,
+}

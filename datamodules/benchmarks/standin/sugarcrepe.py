@@ -5,7 +5,7 @@ import json
 import random
 from pathlib import Path
 
-from datamodules.benchmarks.standin import write_image
+from datamodules.benchmarks.standin.images import write_image
 from datamodules.benchmarks.sugarcrepe import SUBSETS
 
 SUBJECTS = ("a man", "a woman", "a dog", "a cat", "a child", "a horse")

@@ -1,0 +1,23 @@
+"""The demo table: the harness scores an exported model on the shapes world (swap set and retrieval)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datamodules.shapes import generate
+from lightning_modules.demo import COLUMNS, evaluate_export, markdown_table
+from lightning_modules.encoders import build_model
+from lightning_modules.export import export_model
+
+
+def test_evaluate_export_end_to_end(tmp_path):
+    generate(tmp_path / "shapes", n_train=4, n_val=6, image_size=64, seed=0, n_swap=6)
+    torch.manual_seed(0)
+    built = build_model("ViT-Tiny-16-64", None, "configs/models")
+    export_model(built.model, built.name, tmp_path / "export")
+    result = evaluate_export(tmp_path / "export", tmp_path / "shapes")
+    assert {key for key, _ in COLUMNS} <= set(result)
+    assert result["images"] == 6  # retrieval over the 6 validation images
+    assert any(result["i2t_r1"] == pytest.approx(100.0 * k / 6) for k in range(7))
+    table = markdown_table({"random": result})
+    assert table.count("\n") == 2 and "| random |" in table
