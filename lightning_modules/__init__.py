@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Dict, Type
 
 from lightning_modules.base import CompositionalCLIPModule
+from lightning_modules.clip_cae import ClipCAE
 from lightning_modules.clip_ft import ClipFineTune
 
 METHODS: Dict[str, Type[CompositionalCLIPModule]] = {
     "clip_ft": ClipFineTune,
+    "clip_cae": ClipCAE,
 }
 
 

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import lightning as L
+from torch import nn
 
 from lightning_modules.evaluation import flat_scalars, run_all
 from lightning_modules.export import export_model
@@ -59,6 +62,22 @@ class ExportCallback(L.Callback):
         log.info("exported %s (step %d) to %s", module.model_name, trainer.global_step, path)
 
 
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Every submodule in eval mode for the body, then each back in its own previous mode.
+
+    `module.train(was_training)` would not do: it would switch a frozen backbone that its method keeps in eval
+    mode into training mode.
+    """
+    modes = [(submodule, submodule.training) for submodule in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for submodule, training in modes:
+            submodule.training = training
+
+
 class BenchmarkEvaluation(L.Callback):
     """Scores the model on benchmarks every N optimizer steps (rank 0) and logs eval/<benchmark>/<metric>.
 
@@ -75,11 +94,14 @@ class BenchmarkEvaluation(L.Callback):
         self.every_n_steps = every_n_steps
         self.batch_size = batch_size
         self.last_results: list = []
+        self._evaluated_step = -1
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args) -> None:
         step = trainer.global_step
-        if trainer.sanity_checking or step == 0 or step % self.every_n_steps:
+        # global_step repeats over the micro-batches of gradient accumulation: evaluate once per step
+        if trainer.sanity_checking or step == 0 or step % self.every_n_steps or step == self._evaluated_step:
             return
+        self._evaluated_step = step
         if trainer.is_global_zero:
             self.last_results = self._evaluate(module)
             if trainer.logger is not None:
@@ -87,12 +109,8 @@ class BenchmarkEvaluation(L.Callback):
         trainer.strategy.barrier("benchmark_evaluation")
 
     def _evaluate(self, module: L.LightningModule) -> list:
-        clip = module.clip
-        was_training = clip.training
         precision = "bf16" if module.device.type == "cuda" else "fp32"
-        scorer = ClipScorer(clip, module.tokenizer, module.preprocess_val, device=str(module.device),
-                            precision=precision, batch_size=self.batch_size)
-        try:
+        with eval_mode(module):
+            scorer = ClipScorer(module.clip, module.tokenizer, module.preprocess_val, device=str(module.device),
+                                precision=precision, batch_size=self.batch_size)
             return run_all(self.benchmarks, scorer)
-        finally:
-            clip.train(was_training)

@@ -23,7 +23,7 @@ class ClipFineTune(CompositionalCLIPModule):
 
     def compute_terms(self, batch: dict) -> Tuple[Terms, Terms]:
         image = F.normalize(self.encoders.encode_image(batch["image"]).pooled, dim=-1)
-        text = F.normalize(self.encoders.encode_text(batch["text"]).pooled, dim=-1)
+        text = F.normalize(self.encoders.encode_text(batch["text"], trim=True).pooled, dim=-1)
         # Hard negatives shape the training objective; validation scores the plain contrastive loss.
         use_negatives = self.cfg.method.hard_negatives and self.training
         negatives = self._encode_negatives(batch) if use_negatives else None
@@ -35,5 +35,5 @@ class ClipFineTune(CompositionalCLIPModule):
             raise KeyError("method.hard_negatives=true but the batch has no neg_text: set "
                            "data.num_hard_negatives > 0 and use annotations with neg_captions")
         neg_ids = batch["neg_text"]
-        pooled = self.encoders.encode_text(neg_ids.flatten(0, 1)).pooled
+        pooled = self.encoders.encode_text(neg_ids.flatten(0, 1), trim=True).pooled
         return F.normalize(pooled, dim=-1).view(*neg_ids.shape[:2], -1)

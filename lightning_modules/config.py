@@ -33,11 +33,36 @@ class ModelConfig:
 
 
 @dataclass
+class AttributionConfig:
+    # Per-token text attribution (lightning_modules/attribution.py; METHODS.md, CLIP-CAE). Key of ATTRIBUTIONS:
+    # attention | gradcam | perturbation | gradient | grad_eclip.
+    name: str = "attention"
+    # attention: blocks averaged (null = all) and the head reduction ("mean" or "max").
+    layers: Optional[List[int]] = None
+    head_reduce: str = "mean"
+    # gradcam: first block of the relevance product (-1 = the last block only).
+    start_layer: int = -1
+    # grad_eclip: text maps summed over the last N blocks; "multi" heads (faithful) or "single" (the paper's re-run).
+    eclip_layers: int = 8
+    heads: str = "multi"
+    # perturbation: the token a word is replaced by (0 = open_clip padding) and perturbed captions per forward.
+    replacement_id: int = 0
+    chunk_size: int = 256
+    # Divide by the sum over content tokens (sum to 1; makes the margin scale-free).
+    renormalise: bool = True
+
+
+@dataclass
 class MethodConfig:
     # Key of lightning_modules.METHODS.
     name: str = "clip_ft"
     # CLIP-FT / NegCLIP: append each sample's hard-negative captions as extra image-to-text columns.
     hard_negatives: bool = False
+    # CLIP-CAE: L = L_itc + attr_weight * mean(max(0, A_obj - A_comp + attr_margin)) over captions with both
+    # object and composition tokens (needs data.masks=true), with this attribution method.
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    attr_weight: float = 1.0
+    attr_margin: float = 0.0
 
 
 @dataclass
@@ -169,6 +194,17 @@ class EvaluationConfig:
 
 
 @dataclass
+class MonitorConfig:
+    # Attribution-gap monitor (any method): every N optimizer steps (0 = off), on a fixed probe set of the
+    # first `probe_size` validation captions, A_obj / A_comp / gap per attribution method as scalars,
+    # histograms, an object / attribute / relation box plot, and Grad-ECLIP overlays of `overlay_images` images.
+    every_n_steps: int = 0
+    attributions: List[str] = field(default_factory=lambda: ["attention", "gradient"])
+    probe_size: int = 64
+    overlay_images: int = 4
+
+
+@dataclass
 class ExperimentConfig:
     experiment: str = "default"
     # Run directories are runs_root/<experiment>/ (stable, so a rerun or a SLURM requeue resumes).
@@ -184,6 +220,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 class ConfigError(ValueError):
@@ -195,6 +232,9 @@ _CHOICES = {
     "optim.logit_scale_group": ("backbone", "head"),
     "checkpoint.mode": ("min", "max"),
     "preprocess.grounder": ("groundingdino", "annotations", "none"),
+    "method.attribution.name": ("attention", "gradcam", "perturbation", "gradient", "grad_eclip"),
+    "method.attribution.head_reduce": ("mean", "max"),
+    "method.attribution.heads": ("multi", "single"),
 }
 
 

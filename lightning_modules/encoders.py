@@ -34,6 +34,8 @@ class TextFeatures:
     pooled: Tensor  # [B, D], the projected EOS token
     tokens: Tensor  # [B, L, D], every position through ln_final and the text projection
     attentions: Optional[List[Tensor]] = None  # per layer [B, heads, L, L] softmax probabilities
+    traces: Optional[List["AttentionTrace"]] = None  # per layer, with attn=True
+    embeddings: Optional[Tensor] = None  # [B, L, width] token embeddings as used (after replacement)
 
 
 @dataclass
@@ -42,6 +44,7 @@ class ImageFeatures:
 
     pooled: Tensor  # [B, D], the projected CLS token
     patches: Tensor  # [B, P, D], every patch through ln_post and the visual projection
+    traces: Optional[List["AttentionTrace"]] = None  # per layer, with attn=True
 
 
 @dataclass
@@ -129,41 +132,73 @@ def _check_supported_block(block: nn.Module) -> None:
                          f"{type(block).__name__}")
 
 
-def attention_with_probs(block: ResidualAttentionBlock, x: Tensor,
-                         attn_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """The block's self-attention computed from its own weights, returning the probabilities too.
+@dataclass
+class AttentionTrace:
+    """What one block's self-attention computed, kept in the autograd graph (attribution methods).
+
+    `context` is the attention output before `out_proj` (heads concatenated), the tensor whose gradient
+    Grad-ECLIP uses as channel weights; `block_input` is the residual stream entering the block.
+    """
+
+    block_input: Tensor  # [B, N, W]
+    probs: Tensor  # [B, heads, N, N], softmax probabilities
+    q: Tensor  # [B, heads, N, W / heads], before the 1/sqrt(d) scaling
+    k: Tensor  # [B, heads, N, W / heads]
+    v: Tensor  # [B, heads, N, W / heads]
+    context: Tensor  # [B, N, W]
+
+
+def attention_with_trace(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor],
+                         heads: Optional[int] = None) -> Tuple[Tensor, AttentionTrace]:
+    """The block's self-attention computed from its own weights, returning what it computed too.
 
     Same maths as `nn.MultiheadAttention` (batch-first), but explicit so the probabilities are the ones
-    used in the forward pass and stay in the graph (attention / relevance-based attribution).
+    used in the forward pass and stay in the graph. `heads` overrides the number of heads (Grad-ECLIP's
+    single-head re-run, which changes the function; default: the block's own).
     """
     attn = block.attn
     batch, length, width = x.shape
-    heads = attn.num_heads
+    heads = heads or attn.num_heads
     qkv = F.linear(x, attn.in_proj_weight, attn.in_proj_bias)
     q, k, v = qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
     scores = (q * (width // heads) ** -0.5) @ k.transpose(-2, -1)
     if attn_mask is not None:
         scores = scores + attn_mask.to(scores.dtype)
     probs = scores.softmax(dim=-1)
-    out = (probs @ v).transpose(1, 2).reshape(batch, length, width)
-    return attn.out_proj(out), probs
+    context = (probs @ v).transpose(1, 2).reshape(batch, length, width)
+    return attn.out_proj(context), AttentionTrace(x, probs, q, k, v, context)
+
+
+def attention_with_probs(block: ResidualAttentionBlock, x: Tensor,
+                         attn_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """`attention_with_trace` returning only the output and the probabilities."""
+    out, trace = attention_with_trace(block, x, attn_mask)
+    return out, trace.probs
+
+
+def run_block(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor],
+              heads: Optional[int] = None) -> Tuple[Tensor, AttentionTrace]:
+    """One pre-LN residual block, explicitly: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+    _check_supported_block(block)
+    attn_out, trace = attention_with_trace(block, block.ln_1(x), attn_mask, heads)
+    trace.block_input = x
+    x = x + block.ls_1(attn_out)
+    x = x + block.ls_2(block.mlp(block.ln_2(x)))
+    return x, trace
 
 
 def run_blocks(transformer: Transformer, x: Tensor, attn_mask: Optional[Tensor] = None,
-               need_attn: bool = False) -> Tuple[Tensor, Optional[List[Tensor]]]:
-    """Run a batch-first open_clip Transformer block by block, optionally collecting attention."""
+               need_attn: bool = False) -> Tuple[Tensor, Optional[List[AttentionTrace]]]:
+    """Run a batch-first open_clip Transformer block by block, optionally tracing every attention."""
     if not transformer.batch_first:
         raise ValueError("CLIPEncoders expects a batch-first open_clip Transformer")
     if not need_attn:
         return transformer(x, attn_mask=attn_mask), None
-    probs_per_layer = []
+    traces = []
     for block in transformer.resblocks:
-        _check_supported_block(block)
-        attn_out, probs = attention_with_probs(block, block.ln_1(x), attn_mask)
-        x = x + block.ls_1(attn_out)
-        x = x + block.ls_2(block.mlp(block.ln_2(x)))
-        probs_per_layer.append(probs)
-    return x, probs_per_layer
+        x, trace = run_block(block, x, attn_mask)
+        traces.append(trace)
+    return x, traces
 
 
 def _project(x: Tensor, projection: Optional[nn.Module | Tensor]) -> Tensor:
@@ -213,17 +248,51 @@ class CLIPEncoders(nn.Module):
         return tuple(self.model.visual.grid_size)
 
     def encode_text(self, ids: Tensor, replace: Optional[Tensor] = None, mask_token: Optional[Tensor] = None,
-                    attn: bool = False) -> TextFeatures:
-        """Encode token ids [B, L]; `replace` [B, L] swaps token embeddings for `mask_token`."""
+                    attn: bool = False, trim: bool = False) -> TextFeatures:
+        """Encode token ids [B, L]; `replace` [B, L] swaps token embeddings for `mask_token`.
+
+        `trim` drops the positions after the batch's last EOS before the tower runs: the tower is causal and
+        pools EOS, so `pooled` is unchanged while COCO captions (~15 of 77 tokens) cost a fraction of the
+        compute. Per-token outputs then have the trimmed length.
+        """
+        if trim:
+            length = int(ids.argmax(dim=-1).max()) + 1
+            ids = ids[:, :length]
+            replace = replace[:, :length] if replace is not None else None
         m = self.model
         cast_dtype = m.transformer.get_cast_dtype()
-        x = _replace(m.token_embedding(ids).to(cast_dtype), replace, mask_token)
-        x = x + m.positional_embedding.to(cast_dtype)
-        x, attentions = run_blocks(m.transformer, x, m.attn_mask, need_attn=attn)
-        tokens = _project(m.ln_final(x), m.text_projection)
-        pooled = open_clip.transformer.text_global_pool(
-            tokens, ids, m.text_pool_type, eos_token_id=getattr(m, "text_eos_id", None))
-        return TextFeatures(pooled=pooled, tokens=tokens, attentions=attentions)
+        embeddings = _replace(m.token_embedding(ids).to(cast_dtype), replace, mask_token)
+        return self.encode_text_embeddings(embeddings, ids, attn)
+
+    def encode_text_embeddings(self, embeddings: Tensor, ids: Tensor, attn: bool = False) -> TextFeatures:
+        """The text tower from token embeddings [B, L, width] (gradient attribution differentiates them).
+
+        `L` may be shorter than the context length: the tower is causal and pools the EOS token, so
+        dropping positions after the last EOS of the batch changes nothing but the cost.
+        """
+        m = self.model
+        length = embeddings.shape[1]
+        x = embeddings + m.positional_embedding[:length].to(embeddings.dtype)
+        attn_mask = m.attn_mask[:length, :length] if m.attn_mask is not None else None
+        x, traces = run_blocks(m.transformer, x, attn_mask, need_attn=attn)
+        tokens = self.text_tokens(x)
+        attentions = [trace.probs for trace in traces] if traces is not None else None
+        return TextFeatures(pooled=self.text_pool(tokens, ids), tokens=tokens, attentions=attentions,
+                            traces=traces, embeddings=embeddings)
+
+    def text_tokens(self, x: Tensor) -> Tensor:
+        """ln_final and the text projection of the tower's output sequence [B, L, width]."""
+        return _project(self.model.ln_final(x), self.model.text_projection)
+
+    def text_pool(self, tokens: Tensor, ids: Tensor) -> Tensor:
+        """open_clip's own pooling (the EOS token for CLIP) of projected tokens [B, L, D]."""
+        m = self.model
+        return open_clip.transformer.text_global_pool(
+            tokens, ids[:, : tokens.shape[1]], m.text_pool_type, eos_token_id=getattr(m, "text_eos_id", None))
+
+    def text_head(self, x: Tensor, ids: Tensor) -> Tensor:
+        """The pooled text embedding [B, D] from the tower's output sequence."""
+        return self.text_pool(self.text_tokens(x), ids)
 
     def patch_embeddings(self, images: Tensor) -> Tensor:
         """conv1 output as a sequence [B, P, width] (before CLS, positions and ln_pre)."""
@@ -231,14 +300,19 @@ class CLIPEncoders(nn.Module):
         return x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
 
     def encode_image(self, images: Tensor, replace: Optional[Tensor] = None,
-                     mask_token: Optional[Tensor] = None) -> ImageFeatures:
+                     mask_token: Optional[Tensor] = None, attn: bool = False) -> ImageFeatures:
         """Encode images [B, 3, H, W]; `replace` [B, P] swaps patch embeddings for `mask_token`."""
         v = self.model.visual
         x = _replace(self.patch_embeddings(images), replace, mask_token)
         cls = v.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
         x = torch.cat([cls, x], dim=1) + v.positional_embedding.to(x.dtype)
         x = v.ln_pre(v.patch_dropout(x))
-        x, _ = run_blocks(v.transformer, x)
+        x, traces = run_blocks(v.transformer, x, need_attn=attn)
+        return self.image_head(x, traces)
+
+    def image_head(self, x: Tensor, traces: Optional[List[AttentionTrace]] = None) -> ImageFeatures:
+        """ln_post, pooling and projection of the vision tower's output sequence [B, 1 + P, width]."""
+        v = self.model.visual
         x = v.ln_post(x)
         pooled = x[:, 1:].mean(dim=1) if v.pool_type == "avg" else x[:, 0]
-        return ImageFeatures(pooled=_project(pooled, v.proj), patches=_project(x[:, 1:], v.proj))
+        return ImageFeatures(pooled=_project(pooled, v.proj), patches=_project(x[:, 1:], v.proj), traces=traces)

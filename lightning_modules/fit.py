@@ -24,6 +24,7 @@ from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import BenchmarkEvaluation, ExportCallback, LastCheckpoint
 from lightning_modules.config import load_config_or_exit, save_config
 from lightning_modules.evaluation import build_benchmarks, default_roots
+from lightning_modules.monitor import build_attribution_monitor
 
 log = logging.getLogger("lightning_modules.fit")
 
@@ -97,6 +98,9 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> List[L.Callback]:
             save_on_train_epoch_end=False))  # only after validation, where the metric is fresh
     if cfg.evaluation.benchmarks and cfg.evaluation.every_n_steps:
         callbacks.append(build_evaluation_callback(cfg.evaluation))
+    monitor = build_attribution_monitor(cfg)
+    if monitor is not None:
+        callbacks.append(monitor)
     return callbacks
 
 

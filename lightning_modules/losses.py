@@ -111,3 +111,19 @@ class ClipLoss(nn.Module):
         logits_per_image = logit_scale * rows_image @ text_columns.T
         logits_per_text = logit_scale * rows_text @ all_images.T
         return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels)) / 2
+
+
+def cae_attribution_loss(attr_obj: Tensor, attr_comp: Tensor, valid: Tensor, margin: float = 0.0) -> Tensor:
+    """CLIP-CAE's attribution term: mean over valid captions of max(0, A_obj - A_comp + margin).
+
+    Args:
+        attr_obj: [B] mean attribution of each caption's object tokens.
+        attr_comp: [B] mean attribution of its relation and attribute tokens.
+        valid: [B] bool, captions with both object and composition tokens (the others do not enter the loss).
+        margin: eps of METHODS.md (default 0).
+
+    A batch without any valid caption gives 0, still connected to the graph (no NaN from an empty mean).
+    """
+    hinge = (attr_obj - attr_comp + margin).clamp(min=0)
+    weights = valid.to(hinge.dtype)
+    return (hinge * weights).sum() / weights.sum().clamp(min=1)

@@ -9,23 +9,29 @@ between methods). A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from datamodules.annotations import read_negclip_tsv
 from lightning_modules import method_class
 from lightning_modules.base import total_loss
 from lightning_modules.config import load_config
+from parsers.scene_graph import SceneGraphParser
+from parsers.token_alignment import caption_masks
 
 # name -> config overrides. Later methods add their variants here.
 VARIANTS: Dict[str, List[str]] = {
     "clip_ft": [],
     "negclip": ["method.hard_negatives=true", "data.num_hard_negatives=1"],
+    **{f"cae_{name}": ["method.name=clip_cae", f"method.attribution.name={name}"]
+       for name in ("attention", "gradcam", "perturbation", "gradient", "grad_eclip")},
 }
 REFERENCE = "clip_ft"
 NEGCLIP_TSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
@@ -61,11 +67,26 @@ def make_batch(module, batch_size: int, device: str) -> dict:
     size = size[0] if isinstance(size, (tuple, list)) else size
     captions = real_captions(batch_size)
     generator = torch.Generator().manual_seed(0)
+    obj_mask, comp_mask = token_masks(captions, module.tokenizer)
     return {
         "image": torch.randn(batch_size, 3, size, size, generator=generator).to(device),
         "text": module.tokenizer(captions).to(device),
         "neg_text": module.tokenizer(list(reversed(captions))).unsqueeze(1).to(device),
+        "obj_mask": obj_mask.to(device),
+        "comp_mask": comp_mask.to(device),
     }
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(captions: tuple) -> list:
+    return SceneGraphParser().parse(list(captions))
+
+
+def token_masks(captions: List[str], tokenizer) -> tuple:
+    """Object and composition token masks from the real scene-graph parser (as the preprocessing cache has)."""
+    pairs = [caption_masks(caption, graph.object_spans(), graph.composition_spans(), tokenizer)
+             for caption, graph in zip(captions, _parsed(tuple(captions)))]
+    return (torch.from_numpy(np.stack([p[0] for p in pairs])), torch.from_numpy(np.stack([p[1] for p in pairs])))
 
 
 class Variant:

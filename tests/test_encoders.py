@@ -1,6 +1,7 @@
 """CLIPEncoders against open_clip's own forward, naive attention, and embedding-level masking."""
 from __future__ import annotations
 
+import open_clip
 import pytest
 import torch
 
@@ -153,3 +154,18 @@ def test_openai_weights_are_built_with_quickgelu():
 def test_unknown_model_name_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown open_clip model"):
         build_model("ViT-B-33", None, "configs/models")
+
+
+def test_trimming_after_the_last_eos_keeps_the_pooled_text_features():
+    model = build_model("ViT-Tiny-16-64", None, "configs/models").model.eval()
+    tokenizer = open_clip.get_tokenizer("ViT-Tiny-16-64")
+    encoders = CLIPEncoders(model)
+    ids = tokenizer(["a red cube left of a blue ball", "a dog", ""])
+    with torch.no_grad():
+        full = encoders.encode_text(ids)
+        trimmed = encoders.encode_text(ids, trim=True)
+        traced = encoders.encode_text(ids, attn=True, trim=True)
+    assert trimmed.tokens.shape[1] == int(ids.argmax(-1).max()) + 1 < ids.shape[1]
+    assert torch.allclose(trimmed.pooled, full.pooled, atol=1e-5)
+    assert torch.allclose(traced.pooled, full.pooled, atol=1e-5)
+    assert torch.allclose(trimmed.tokens, full.tokens[:, : trimmed.tokens.shape[1]], atol=1e-5)

@@ -32,6 +32,26 @@ def shapes_root(tmp_path_factory) -> Path:
     return root
 
 
+# Methods whose batches need the preprocessing cache's masks, with the tiny model's attribution settings.
+NEEDS_MASKS = {"clip_cae": ["method.attribution.eclip_layers=2"]}
+
+
+@pytest.fixture(scope="session")
+def mask_cache(shapes_root, tmp_path_factory) -> Path:
+    """The preprocessing cache of the tiny shapes world (ground-truth grounder), built once."""
+    from datamodules.preprocess import run as run_preprocess
+
+    cache = tmp_path_factory.mktemp("mask_cache")
+    run_preprocess(tiny_config(shapes_root, cache, "data.masks=true", f"preprocess.cache_root={cache}"))
+    return cache
+
+
+def method_overrides(method: str, mask_cache: Path) -> list:
+    if method not in NEEDS_MASKS:
+        return [f"method.name={method}"]
+    return [f"method.name={method}", "data.masks=true", f"preprocess.cache_root={mask_cache}", *NEEDS_MASKS[method]]
+
+
 def tiny_config(shapes_root: Path, runs_root: Path, *overrides: str):
     return load_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
         f"model.name={TINY}", f"data.root={shapes_root}", f"runs_root={runs_root}", "data.batch_size=8",
@@ -47,8 +67,8 @@ def a_batch(module, cfg) -> dict:
 
 @pytest.mark.parametrize("method,precision", [(name, "32-true") for name in sorted(METHODS)] +
                          [("clip_ft", "bf16-mixed")])
-def test_fast_dev_run_of_every_method(shapes_root, tmp_path, method, precision):
-    cfg = tiny_config(shapes_root, tmp_path, f"method.name={method}", "trainer.fast_dev_run=2",
+def test_fast_dev_run_of_every_method(shapes_root, mask_cache, tmp_path, method, precision):
+    cfg = tiny_config(shapes_root, tmp_path, *method_overrides(method, mask_cache), "trainer.fast_dev_run=2",
                       f"trainer.precision={precision}")
     trainer = run(cfg)
     assert trainer.global_step == 2
@@ -57,8 +77,8 @@ def test_fast_dev_run_of_every_method(shapes_root, tmp_path, method, precision):
 
 @pytest.mark.parametrize("method,extra", [(name, []) for name in sorted(METHODS)] + [
     ("clip_ft", ["method.hard_negatives=true", "data.num_hard_negatives=3"])])
-def test_every_trainable_parameter_receives_a_gradient(shapes_root, tmp_path, method, extra):
-    cfg = tiny_config(shapes_root, tmp_path, f"method.name={method}", *extra)
+def test_every_trainable_parameter_receives_a_gradient(shapes_root, mask_cache, tmp_path, method, extra):
+    cfg = tiny_config(shapes_root, tmp_path, *method_overrides(method, mask_cache), *extra)
     L.seed_everything(0)
     module = build_module(cfg).train()
     terms, _ = module.compute_terms(a_batch(module, cfg))
@@ -288,3 +308,12 @@ def test_a_missing_evaluation_benchmark_stops_before_training(shapes_root, tmp_p
         run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=4", "evaluation.benchmarks=[sugarcrepe]",
                         "evaluation.every_n_steps=2", f"evaluation.data_root={tmp_path / 'nowhere'}"))
     assert not (tmp_path / "demo_pretrain" / "checkpoints").exists()
+
+
+def test_fit_adds_the_attribution_monitor_from_the_config(shapes_root, tmp_path):
+    from lightning_modules.monitor import AttributionMonitor
+
+    trainer = run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=2", "monitor.every_n_steps=2",
+                              "monitor.attributions=[attention]", "monitor.probe_size=4", "monitor.overlay_images=1"))
+    monitors = [c for c in trainer.callbacks if isinstance(c, AttributionMonitor)]
+    assert len(monitors) == 1 and "attention" in monitors[0].last_results

@@ -1,0 +1,239 @@
+"""`python -m lightning_modules.explain`: Grad-ECLIP heat map and per-token text attribution of image-text pairs.
+
+    python -m lightning_modules.explain --run runs/X --image cat.jpg --text "a cat on a mat" --text "a mat"
+    python -m lightning_modules.explain --model ViT-B-32 --pretrained openai --image cat.jpg --text "a cat" \
+        --attribution gradcam --start-layer -4 --out cat.png
+
+One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overlaid (METHODS.md "Grad-ECLIP
+explanations"; `--heads` chooses the faithful multi-head or the paper's single-head variant) and a bar chart
+of the text attribution (`--attribution`, any of `attribution.ATTRIBUTIONS`, renormalised to sum 1 over the
+caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (same stem) and a table on stdout hold the
+numbers. The image shown is the validation transform's input, de-normalised: the pixels the model saw (after
+its resize and centre crop), so the heat map lies exactly on what it explains.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+from torchvision import transforms
+
+from datamodules.files import atomic_write_bytes, atomic_write_text
+from lightning_modules.attribution import (ATTRIBUTIONS, HEADS, AttributionOptions, TextAttributionInputs,
+                                           eos_positions, image_grad_eclip, text_attribution, word_end_table)
+from lightning_modules.encoders import BuiltModel, CLIPEncoders, build_model
+
+DEFAULTS = AttributionOptions()
+END_OF_WORD = "</w>"
+
+
+@dataclass
+class Explanation:
+    """What one (image, text) row shows: the numbers written to the JSON and the heat map drawn."""
+
+    text: str
+    similarity: float  # S(I, T), cosine of the L2-normalised embeddings
+    tokens: List[str]  # BPE pieces of positions 1..EOS-1, "</w>" stripped
+    token_ids: List[int]
+    attributions: List[float]  # one per token, summing to 1 (renormalised; a row with nothing positive stays 0)
+    heat_map: np.ndarray  # [H, W] in 0..1, the transform's input size
+
+    def record(self) -> dict:
+        return {"text": self.text, "similarity": self.similarity, "tokens": self.tokens,
+                "token_ids": self.token_ids, "attributions": self.attributions}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].strip("`: "),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--run", type=Path, help="a training run directory (explains its export/)")
+    model.add_argument("--model", help="open_clip model name (with --pretrained; none = random weights)")
+    parser.add_argument("--pretrained", help="open_clip pretrained tag or checkpoint path")
+    parser.add_argument("--config-dir", default="configs/models", help="extra open_clip model configs")
+    parser.add_argument("--image", required=True, type=Path)
+    parser.add_argument("--text", required=True, action="append", help="caption (repeatable: one row each)")
+    parser.add_argument("--attribution", default="grad_eclip", choices=list(ATTRIBUTIONS),
+                        help="text attribution method (default: grad_eclip)")
+    parser.add_argument("--heads", default=DEFAULTS.heads, choices=HEADS,
+                        help="Grad-ECLIP heads, image map and grad_eclip text map (multi = the model as it is)")
+    parser.add_argument("--layers", type=int, nargs="+", help="attention: blocks averaged (default: all)")
+    parser.add_argument("--head-reduce", default=DEFAULTS.head_reduce, choices=("mean", "max"),
+                        help="attention: reduction over heads")
+    parser.add_argument("--start-layer", type=int, default=DEFAULTS.start_layer,
+                        help="gradcam: first block of the relevance product (negative counts from the end)")
+    parser.add_argument("--eclip-layers", type=int, default=DEFAULTS.eclip_layers,
+                        help="grad_eclip: text map sums the last N blocks")
+    parser.add_argument("--out", type=Path, default=Path("explain.png"), help="PNG; the JSON goes beside it")
+    parser.add_argument("--device", default="cpu")
+    return parser.parse_args(argv)
+
+
+def attribution_options_from_args(args: argparse.Namespace) -> AttributionOptions:
+    return AttributionOptions(layers=args.layers, head_reduce=args.head_reduce, start_layer=args.start_layer,
+                              eclip_layers=args.eclip_layers, heads=args.heads, renormalise=True)
+
+
+def load_model(args: argparse.Namespace) -> BuiltModel:
+    """The run's export, or an open_clip model (build_model switches OpenAI weights to QuickGELU)."""
+    try:
+        if args.run is not None:
+            from lightning_modules.export import load_export
+
+            return load_export(args.run / "export")
+        return build_model(args.model, args.pretrained, args.config_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(str(err)) from None
+
+
+def read_image(path: Path) -> Image.Image:
+    if not path.is_file():
+        raise SystemExit(f"--image {path}: no such file")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as err:
+        raise SystemExit(f"--image {path}: cannot read it as an image ({err})") from None
+
+
+def check_texts(texts: Sequence[str], tokenizer) -> None:
+    """Refuse empty captions; warn about captions the tokenizer will cut (it keeps SOT + 75 tokens + EOS)."""
+    room = tokenizer.context_length - 2
+    for text in texts:
+        count = len(tokenizer.encode(text))
+        if count == 0:
+            raise SystemExit(f"--text {text!r}: empty caption has no tokens to attribute")
+        if count > room:
+            warnings.warn(f"--text {text[:40]!r}...: {count} tokens, truncated to the first {room} "
+                          f"(context length {tokenizer.context_length})", stacklevel=2)
+
+
+def token_pieces(tokenizer, ids: Sequence[int]) -> List[str]:
+    """BPE pieces as text: the byte-level alphabet decoded (non-ASCII), the end-of-word mark stripped."""
+    pieces = []
+    for token_id in ids:
+        piece = tokenizer.decoder[token_id].replace(END_OF_WORD, "")
+        raw = bytearray(tokenizer.byte_decoder[c] for c in piece)
+        pieces.append(raw.decode("utf-8", errors="replace"))
+    return pieces
+
+
+def prepare_inputs(built: BuiltModel, image: Image.Image, texts: Sequence[str], device: torch.device
+                   ) -> tuple[Tensor, Tensor]:
+    """Pixels [T, 3, H, W] (the image once per text) and token ids [T, L] on `device`."""
+    pixels = built.preprocess_val(image).unsqueeze(0).expand(len(texts), -1, -1, -1)
+    return pixels.to(device), built.tokenizer(list(texts)).to(device)
+
+
+def explain(built: BuiltModel, pixels: Tensor, ids: Tensor, texts: Sequence[str], method: str,
+            options: AttributionOptions) -> List[Explanation]:
+    """Similarity, text attribution and image heat map per (image, text) pair."""
+    encoders = CLIPEncoders(built.model.eval())
+    word_ends = word_end_table(built.tokenizer, built.model.vocab_size)
+    # No torch.no_grad anywhere: the gradient-based maps differentiate S(I, T) (the weights keep
+    # requires_grad so the forward records a graph; autograd.grad leaves their .grad untouched).
+    image = F.normalize(encoders.encode_image(pixels).pooled.detach(), dim=-1)
+    text = encoders.encode_text(ids, attn=True)
+    inputs = TextAttributionInputs(encoders, ids, image, text, word_ends)
+    attribution = text_attribution(method, inputs, options).detach().cpu()
+    heat_maps = image_grad_eclip(encoders, pixels, text.pooled.detach(), heads=options.heads).detach().cpu()
+    similarity = inputs.target.detach().cpu()
+    eos = eos_positions(ids).cpu()
+    rows = []
+    for b, caption in enumerate(texts):
+        content = ids[b, 1: int(eos[b])].tolist()
+        rows.append(Explanation(caption, float(similarity[b]), token_pieces(built.tokenizer, content), content,
+                                attribution[b, 1: int(eos[b])].tolist(), heat_maps[b].numpy()))
+    return rows
+
+
+def display_image(pixels: Tensor, preprocess) -> np.ndarray:
+    """The transform's output [3, H, W] de-normalised to an [H, W, 3] array in 0..1."""
+    normalize = next((t for t in getattr(preprocess, "transforms", []) if isinstance(t, transforms.Normalize)),
+                     None)
+    image = pixels.detach().cpu().float()
+    if normalize is not None:
+        image = image * torch.tensor(normalize.std).view(3, 1, 1) + torch.tensor(normalize.mean).view(3, 1, 1)
+    return image.clamp(0, 1).permute(1, 2, 0).numpy()
+
+
+def plot(image: np.ndarray, rows: Sequence[Explanation], method: str, heads: str) -> Figure:
+    """One row per text: heat map over the image (left), token attribution bars (right)."""
+    figure = Figure(figsize=(11, 3.6 * len(rows)), layout="constrained")
+    FigureCanvasAgg(figure)
+    for row, subfigure in zip(rows, figure.subfigures(len(rows), 1, squeeze=False)[:, 0]):
+        subfigure.suptitle(f'"{row.text}"    S(I,T) = {row.similarity:.4f}')
+        image_axes, bar_axes = subfigure.subplots(1, 2, width_ratios=(1, 2.2))
+        image_axes.imshow(image)
+        image_axes.imshow(row.heat_map, cmap="jet", alpha=0.5, vmin=0, vmax=1)
+        image_axes.set_title(f"Grad-ECLIP image map ({heads} heads)", fontsize=9)
+        image_axes.axis("off")
+        positions = np.arange(len(row.tokens))
+        bar_axes.bar(positions, row.attributions, color="tab:blue")
+        bar_axes.set_xticks(positions, row.tokens, rotation=60 if len(row.tokens) > 12 else 0, fontsize=8)
+        bar_axes.set_ylabel("attribution (sums to 1)")
+        bar_axes.set_title(f"text attribution: {method}", fontsize=9)
+    return figure
+
+
+def png_bytes(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()
+
+
+def attribution_table(rows: Sequence[Explanation], method: str) -> str:
+    lines = []
+    for row in rows:
+        lines.append(f'"{row.text}"  S(I,T) = {row.similarity:.4f}  ({method})')
+        width = max(len(token) for token in row.tokens)
+        lines.extend(f"  {token:<{width}}  {value:.4f}" for token, value in zip(row.tokens, row.attributions))
+    return "\n".join(lines)
+
+
+def save(out: Path, figure: Figure, report: dict) -> Path:
+    """The PNG at `out` and the JSON beside it (same stem), both written atomically; returns the JSON path."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, png_bytes(figure))
+    json_path = out.with_suffix(".json")
+    atomic_write_text(json_path, json.dumps(report, indent=2))
+    return json_path
+
+
+def run_report(args: argparse.Namespace, built: BuiltModel, options: AttributionOptions,
+               rows: Sequence[Explanation]) -> dict:
+    source = str(args.run) if args.run is not None else args.pretrained  # None: random weights
+    return {"model": built.name, "source": source, "image": str(args.image),
+            "image_shown": "validation transform input, de-normalised", "attribution": args.attribution,
+            "options": asdict(options), "rows": [row.record() for row in rows]}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    image = read_image(args.image)
+    built = load_model(args)
+    check_texts(args.text, built.tokenizer)
+    options = attribution_options_from_args(args)
+    built.model.to(args.device)
+    pixels, ids = prepare_inputs(built, image, args.text, torch.device(args.device))
+    rows = explain(built, pixels, ids, args.text, args.attribution, options)
+    figure = plot(display_image(pixels[0], built.preprocess_val), rows, args.attribution, args.heads)
+    json_path = save(args.out, figure, run_report(args, built, options, rows))
+    print(attribution_table(rows, args.attribution))
+    print(f"wrote {args.out} and {json_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The explain CLI end to end on a tiny random model: PNG + JSON whose numbers match the attribution library."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchvision import transforms
+
+from datamodules.benchmarks.standin.images import write_image
+from lightning_modules.attribution import (AttributionOptions, TextAttributionInputs, text_attribution,
+                                           word_end_table)
+from lightning_modules.encoders import CLIPEncoders, build_model
+from lightning_modules.explain import display_image, main, token_pieces
+from lightning_modules.export import export_model, load_export
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "ViT-Tiny-16-64"
+# "zyxwvut" is split into several BPE pieces: only the last one carries the end-of-word mark.
+CAPTION = "a red square left of a zyxwvut circle"
+CAPTION_PIECES = ["a", "red", "square", "left", "of", "a", "zy", "x", "wv", "ut", "circle"]
+SECOND_CAPTION = "a blue circle"
+DPI_PIXELS_WIDE, ROW_PIXELS_HIGH = 1100, 360  # figsize (11, 3.6 per row) at 100 dpi
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)
+    built = build_model(MODEL, None, "configs/models")
+    export_model(built.model, built.name, run / "export")
+    return run
+
+
+@pytest.fixture(scope="module")
+def image_path(tmp_path_factory) -> Path:
+    # not square: the validation transform's resize + centre crop are part of what is shown
+    return write_image(tmp_path_factory.mktemp("images") / "scene.png", seed=0, size=(48, 40))
+
+
+def reference_rows(export_dir: Path, image_path: Path, captions, method: str, options: AttributionOptions):
+    """Similarity and content-token attributions computed directly with the attribution library."""
+    built = load_export(export_dir)
+    encoders = CLIPEncoders(built.model.eval())
+    pixels = built.preprocess_val(Image.open(image_path).convert("RGB")).unsqueeze(0).repeat(len(captions), 1, 1, 1)
+    ids = built.tokenizer(list(captions))
+    image = F.normalize(encoders.encode_image(pixels).pooled.detach(), dim=-1)
+    inputs = TextAttributionInputs(encoders, ids, image, encoders.encode_text(ids, attn=True),
+                                   word_end_table(built.tokenizer, built.model.vocab_size))
+    attribution, similarity = text_attribution(method, inputs, options).detach(), inputs.target.detach()
+    eos = ids.argmax(dim=-1)
+    return [(float(similarity[b]), attribution[b, 1: int(eos[b])].tolist()) for b in range(len(captions))]
+
+
+def check_outputs(out: Path, rows: int, expected, stdout: str) -> dict:
+    with Image.open(out) as png:
+        png.load()
+        assert png.format == "PNG" and png.size == (DPI_PIXELS_WIDE, ROW_PIXELS_HIGH * rows)
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert len(report["rows"]) == rows
+    for row, (similarity, attributions) in zip(report["rows"], expected):
+        assert row["similarity"] == pytest.approx(similarity, abs=1e-5)
+        assert row["attributions"] == pytest.approx(attributions, abs=1e-5)
+        assert sum(row["attributions"]) == pytest.approx(1.0, abs=1e-5)
+        assert len(row["tokens"]) == len(row["attributions"]) == len(row["token_ids"])
+        assert f'"{row["text"]}"  S(I,T) = {row["similarity"]:.4f}' in stdout
+    return report
+
+
+@pytest.mark.parametrize("method, flags, options", [
+    ("grad_eclip", ["--heads", "single", "--eclip-layers", "2"], AttributionOptions(heads="single", eclip_layers=2)),
+    ("gradcam", ["--start-layer", "0"], AttributionOptions(start_layer=0)),
+])
+def test_run_end_to_end(run_dir, image_path, tmp_path, capsys, method, flags, options):
+    out = tmp_path / "figures" / "pair.png"
+    main(["--run", str(run_dir), "--image", str(image_path), "--text", CAPTION, "--text", SECOND_CAPTION,
+          "--attribution", method, *flags, "--out", str(out)])
+    expected = reference_rows(run_dir / "export", image_path, [CAPTION, SECOND_CAPTION], method, options)
+    report = check_outputs(out, 2, expected, capsys.readouterr().out)
+    assert report["rows"][0]["tokens"] == CAPTION_PIECES
+    assert report["rows"][1]["tokens"] == ["a", "blue", "circle"]
+    assert report["attribution"] == method and report["options"]["renormalise"] is True
+
+
+def test_model_end_to_end_with_attention_options(run_dir, image_path, tmp_path, capsys):
+    out = tmp_path / "attention.png"
+    weights = run_dir / "export" / "open_clip.pt"
+    main(["--model", MODEL, "--pretrained", str(weights), "--image", str(image_path), "--text", CAPTION,
+          "--attribution", "attention", "--layers", "1", "--head-reduce", "max", "--out", str(out)])
+    options = AttributionOptions(layers=[1], head_reduce="max")
+    expected = reference_rows(run_dir / "export", image_path, [CAPTION], "attention", options)
+    report = check_outputs(out, 1, expected, capsys.readouterr().out)
+    assert report["rows"][0]["tokens"] == CAPTION_PIECES
+    # the model's own layer-0 attention differs: the flags reached the attribution
+    other = reference_rows(run_dir / "export", image_path, [CAPTION], "attention", AttributionOptions(layers=[0]))
+    assert report["rows"][0]["attributions"] != pytest.approx(other[0][1], abs=1e-5)
+
+
+def test_token_pieces_decode_bytes_and_strip_word_ends():
+    tokenizer = build_model(MODEL, None, "configs/models").tokenizer
+    assert token_pieces(tokenizer, tokenizer.encode("café zyxwvut")) == ["café", "zy", "x", "wv", "ut"]
+
+
+def test_display_image_undoes_the_normalisation(image_path):
+    built = build_model(MODEL, None, "configs/models")
+    image = Image.open(image_path).convert("RGB")
+    unnormalised = transforms.Compose([t for t in built.preprocess_val.transforms
+                                       if not isinstance(t, transforms.Normalize)])(image)
+    shown = display_image(built.preprocess_val(image), built.preprocess_val)
+    assert shown.shape == (64, 64, 3)
+    assert torch.from_numpy(shown).permute(2, 0, 1) == pytest.approx(unnormalised, abs=1e-5)
+
+
+def test_missing_image_exits(run_dir, tmp_path):
+    with pytest.raises(SystemExit, match="no such file"):
+        main(["--run", str(run_dir), "--image", str(tmp_path / "absent.png"), "--text", CAPTION])
+
+
+def test_unreadable_image_exits_naming_it(run_dir, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image at all")
+    with pytest.raises(SystemExit, match="broken.png"):
+        main(["--run", str(run_dir), "--image", str(broken), "--text", CAPTION])
+
+
+@pytest.mark.parametrize("caption", ["", "   "])
+def test_empty_caption_exits(run_dir, image_path, tmp_path, caption):
+    with pytest.raises(SystemExit, match="empty caption has no tokens to attribute"):
+        main(["--run", str(run_dir), "--image", str(image_path), "--text", CAPTION, "--text", caption,
+              "--out", str(tmp_path / "x.png")])
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_over_long_caption_warns_and_is_truncated(run_dir, image_path, tmp_path, capsys):
+    out = tmp_path / "long.png"
+    caption = " ".join(["red"] * 100)
+    with pytest.warns(UserWarning, match="truncated"):
+        main(["--run", str(run_dir), "--image", str(image_path), "--text", caption, "--out", str(out)])
+    expected = reference_rows(run_dir / "export", image_path, [caption], "grad_eclip", AttributionOptions())
+    report = check_outputs(out, 1, expected, capsys.readouterr().out)
+    assert report["rows"][0]["tokens"] == ["red"] * 75  # context length 77 minus SOT and EOS
+
+
+def test_help_runs_as_a_module():
+    result = subprocess.run([sys.executable, "-m", "lightning_modules.explain", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--attribution" in result.stdout and "grad_eclip" in result.stdout and "--heads" in result.stdout
