@@ -29,8 +29,9 @@ demo: setup $(SHAPES)/annotations/swap_val.json
 	$(PY) -m datamodules.preprocess --config configs/demo/pretrain.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/pretrain.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/clip_ft.yaml
+	$(PY) -m lightning_modules.fit --config configs/demo/cae.yaml
 	$(PY) -m lightning_modules.demo --data $(SHAPES) --out runs/demo_results.json \
-		--run pretrained=runs/demo_pretrain --run clip_ft=runs/demo_clip_ft
+		--run pretrained=runs/demo_pretrain --run clip_ft=runs/demo_clip_ft --run cae_attention=runs/demo_cae
 
 test: setup
 	$(PY) -m pytest -m "$(PYTEST_MARK)"
@@ -41,4 +42,4 @@ perf: setup
 	$(PY) -m perf.loader --out runs/perf_loader.json
 
 clean-demo:
-	rm -rf runs/demo_pretrain runs/demo_clip_ft runs/demo_results.json cache
+	rm -rf runs/demo_pretrain runs/demo_clip_ft runs/demo_cae runs/demo_results.json cache

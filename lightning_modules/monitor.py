@@ -127,13 +127,19 @@ def build_probe(datamodule, tokenizer, probe_size: int, parser: SceneGraphParser
     if not samples:
         raise RuntimeError(f"attribution monitor: the {split} split is empty")
     captions = caption_texts(dataset.annotations, karpathy_splits, [s["caption_id"] for s in samples])
-    ids = torch.stack([s["text"] for s in samples])
-    masks = word_masks(captions, parser.parse(captions), tokenizer, ids.shape[1])
-    length = int(eos_positions(ids).max()) + 1
-    probe = Probe(captions, torch.stack([s["image"] for s in samples]), ids[:, :length],
-                  **{name: mask[:, :length] for name, mask in masks.items()}, split=split)
+    probe = make_probe(captions, torch.stack([s["image"] for s in samples]), torch.stack([s["text"] for s in samples]),
+                       tokenizer, parser, split)
     log.info("attribution monitor: %s", probe.describe())
     return probe
+
+
+def make_probe(captions: List[str], images: Tensor, ids: Tensor, tokenizer, parser: SceneGraphParser,
+               split: str) -> Probe:
+    """A probe from captions, their preprocessed images and token ids; the captions are parsed here."""
+    masks = word_masks(captions, parser.parse(captions), tokenizer, ids.shape[1])
+    length = int(eos_positions(ids).max()) + 1
+    return Probe(captions, images, ids[:, :length], **{name: mask[:, :length] for name, mask in masks.items()},
+                 split=split)
 
 
 # ----- measuring -------------------------------------------------------------------------------------------

@@ -121,7 +121,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, float]]:
                           num_workers=args.num_workers)
 
     names: List[str] = [n.strip() for n in args.benchmarks.split(",") if n.strip()]
-    rows = {name: measure(name, args, make_scorer) for name in names}
+    rows = {}
+    for name in names:
+        rows[name] = measure(name, args, make_scorer)
+        print(f"{name}: {json.dumps({k: round(v, 2) for k, v in rows[name].items()})}", flush=True)
     print(f"\n{args.model} (random weights), CPU threads {torch.get_num_threads()}, "
           f"{args.items} stand-in items per benchmark\n")
     print(format_table(rows))

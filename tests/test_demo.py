@@ -18,6 +18,7 @@ def test_evaluate_export_end_to_end(tmp_path):
     result = evaluate_export(tmp_path / "export", tmp_path / "shapes")
     assert {key for key, _ in COLUMNS} <= set(result)
     assert result["images"] == 6  # retrieval over the 6 validation images
+    assert -100.0 <= result["attr_gap"] <= 100.0
     assert any(result["i2t_r1"] == pytest.approx(100.0 * k / 6) for k in range(7))
     table = markdown_table({"random": result})
     assert table.count("\n") == 2 and "| random |" in table
