@@ -63,6 +63,28 @@ class MethodConfig:
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
     attr_weight: float = 1.0
     attr_margin: float = 0.0
+    # MACCO-CLIP: loss weights (1 L_mca + 0.1 L_mir + 20 L_mlm + 250 L_mim), predictor depths and heads, and
+    # whether the predictors' cross-attention masks padded text keys / nothing (the original has no mask).
+    mca_weight: float = 1.0
+    mir_weight: float = 0.1
+    mlm_weight: float = 20.0
+    mim_weight: float = 250.0
+    text_predictor_depth: int = 2
+    image_predictor_depth: int = 3
+    predictor_heads: int = 8
+    key_padding_mask: bool = True
+    # SmartCLIP: 10 (sidm + dism) + 2 mean|m|, fixed temperature 100, hard (straight-through) or soft masks.
+    modular_weight: float = 10.0
+    sparsity_weight: float = 2.0
+    modular_temperature: float = 100.0
+    hard_mask: bool = True
+    # TFLocal / TFGlobal aligners on a frozen backbone: width, depth, heads; loss "infonce" (+ hard negatives)
+    # or "itm" (binary); retrieval re-ranks the frozen-CLIP top-k.
+    aligner_width: int = 512
+    aligner_layers: int = 4
+    aligner_heads: int = 8
+    aligner_loss: str = "infonce"
+    rerank_k: int = 16
 
 
 @dataclass
@@ -99,6 +121,8 @@ class DataConfig:
     patch_mask_min_overlap: float = 0.0
     # Random-resized-crop scale range of the mask-aware training transform (bicubic, no flip).
     crop_scale: List[float] = field(default_factory=lambda: [0.9, 1.0])
+    # Frozen-backbone methods (TFLocal / TFGlobal): folder of cached backbone features (computed once).
+    features_cache: Optional[str] = None
 
 
 @dataclass
@@ -235,6 +259,7 @@ _CHOICES = {
     "method.attribution.name": ("attention", "gradcam", "perturbation", "gradient", "grad_eclip"),
     "method.attribution.head_reduce": ("mean", "max"),
     "method.attribution.heads": ("multi", "single"),
+    "method.aligner_loss": ("infonce", "itm"),
 }
 
 
