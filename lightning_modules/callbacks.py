@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -11,6 +12,7 @@ from torch import nn
 
 from lightning_modules.evaluation import flat_scalars, run_all
 from lightning_modules.export import export_model
+from lightning_modules.resume import PREVIOUS_CHECKPOINT
 from lightning_modules.scorers import ClipScorer
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,11 @@ class LastCheckpoint(L.Callback):
     def _save(self, trainer: L.Trainer) -> None:
         if trainer.sanity_checking or trainer.fast_dev_run or trainer.global_step == self._saved_step:
             return
+        # Keep the previous resume point (a rename, no copy): if the new file is ever damaged, resume.py falls
+        # back to it.
+        if trainer.is_global_zero and self.path.is_file():
+            os.replace(self.path, self.path.with_name(PREVIOUS_CHECKPOINT))
+        trainer.strategy.barrier("last_checkpoint_rotation")
         trainer.save_checkpoint(self.path)
         self._saved_step = trainer.global_step
 

@@ -5,10 +5,15 @@ Examples:
         --data-root /data/benchmarks --set sugarcrepe.images=/data/coco/val2017
     python -m lightning_modules.evaluate --model ViT-B-32 --pretrained openai --all --data-root /data/benchmarks
     python -m lightning_modules.evaluate --list
+    python -m lightning_modules.evaluate --run runs/negclip --scorer sgi --scorer-option global_weight=0.5 \
+        --benchmarks sugarcrepe --data-root /data/benchmarks
 
 Each benchmark reads `<data-root>/<name>/` unless `--root NAME=DIR` says otherwise; `--set NAME.OPTION=VALUE`
-passes a constructor option (image folders, splits). Results go to `--out` (default `<run>/eval`, or
-`eval/<model>-<pretrained>`): per-item `<name>/outcomes.jsonl`, `aggregates.json`, `results.md`, `results.csv`.
+passes a constructor option (image folders, splits). `--scorer` picks how a model scores an image and a text
+(`clip`: global cosine, the default; `sgi`: structure-guided inference), `--scorer-option KEY=VALUE` sets one
+of its options. Results go to `--out` (default `<run>/eval`, or `eval/<model>-<pretrained>`, with `-<scorer>`
+appended for a scorer other than clip): per-item `<name>/outcomes.jsonl`, `aggregates.json`, `results.md`,
+`results.csv`.
 """
 from __future__ import annotations
 
@@ -16,16 +21,26 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Type
 
 import yaml
 
 from datamodules.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
 from lightning_modules.evaluation import (AGGREGATES_FILE, available_benchmarks, build_benchmarks, default_roots,
                                           log_to_tensorboard, markdown_tables, reaggregate, run_all, write_results)
-from lightning_modules.scorers import PRECISIONS, ClipScorer
+from lightning_modules.scorers import PRECISIONS, ClipScorer, Scorer
+from lightning_modules.sgi import SGIScorer
 
 log = logging.getLogger("lightning_modules.evaluate")
+
+# How a model scores an image and a text. Each class builds from `from_pretrained(name, pretrained, **kwargs)`
+# and `from_export(export_dir, **kwargs)`; its `OPTIONS` (none when absent) are the names that
+# `--scorer-option` may set. The registry lives here, the composer, because `sgi` imports `scorers`.
+SCORERS: Dict[str, Type[Scorer]] = {
+    "clip": ClipScorer,
+    "sgi": SGIScorer,
+}
+DEFAULT_SCORER = "clip"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -35,6 +50,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     model.add_argument("--run", type=Path, help="a training run directory (evaluates its export/)")
     model.add_argument("--model", help="open_clip model name (with --pretrained)")
     parser.add_argument("--pretrained", help="open_clip pretrained tag or checkpoint path")
+    parser.add_argument("--scorer", default=DEFAULT_SCORER, choices=list(SCORERS),
+                        help=f"how an image and a text are scored (default {DEFAULT_SCORER})")
+    parser.add_argument("--scorer-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a scorer option, value parsed as YAML (sgi: grids=1,2,3,halves, global_weight=0.5)")
     add_benchmark_arguments(parser)
     parser.add_argument("--out", type=Path, help="results folder")
     parser.add_argument("--tensorboard", type=Path, nargs="?", const=True, default=None,
@@ -102,29 +121,46 @@ def list_benchmarks() -> str:
     return "\n".join(lines)
 
 
-def build_scorer(args: argparse.Namespace) -> ClipScorer:
+def scorer_options(scorer: str, specs: Sequence[str]) -> Dict[str, object]:
+    """`--scorer-option global_weight=0.5` -> {"global_weight": 0.5}, checked against the scorer's OPTIONS."""
+    options = {key: yaml.safe_load(value) for key, value in parse_pairs(specs, "--scorer-option").items()}
+    accepted = getattr(SCORERS[scorer], "OPTIONS", ())
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise SystemExit(f"--scorer {scorer} has no option(s) {', '.join(unknown)}; "
+                         f"it accepts: {', '.join(accepted) or 'none'}")
+    return options
+
+
+def build_scorer(args: argparse.Namespace) -> Scorer:
+    scorer_class = SCORERS[args.scorer]
     kwargs = dict(device=args.device, precision=args.precision, batch_size=args.batch_size,
-                  num_workers=args.num_workers)
+                  num_workers=args.num_workers, **scorer_options(args.scorer, args.scorer_option))
     if args.run:
-        return ClipScorer.from_export(args.run / "export", **kwargs)
+        return scorer_class.from_export(args.run / "export", **kwargs)
     if not args.model:
         raise SystemExit("give --run RUN_DIR or --model NAME --pretrained TAG_OR_PATH")
-    return ClipScorer.from_pretrained(args.model, args.pretrained, **kwargs)
+    return scorer_class.from_pretrained(args.model, args.pretrained, **kwargs)
+
+
+def scorer_suffix(args: argparse.Namespace) -> str:
+    """Default folders of a non-default scorer get its name, so they never overwrite the global-cosine ones."""
+    return "" if args.scorer == DEFAULT_SCORER else f"-{args.scorer}"
 
 
 def output_dir(args: argparse.Namespace) -> Path:
     if args.out:
         return args.out
     if args.run:
-        return args.run / "eval"
+        return args.run / f"eval{scorer_suffix(args)}"
     label = f"{args.model}-{Path(str(args.pretrained)).stem if args.pretrained else 'random'}"
-    return Path("eval") / label
+    return Path("eval") / f"{label}{scorer_suffix(args)}"
 
 
 def tensorboard_dir(args: argparse.Namespace, out: Path) -> Path:
     if args.tensorboard is not True:
         return args.tensorboard
-    return args.run / "tb" / "eval" if args.run else out / "tb"
+    return args.run / "tb" / f"eval{scorer_suffix(args)}" if args.run else out / "tb"
 
 
 def select_benchmarks(args: argparse.Namespace):

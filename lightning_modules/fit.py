@@ -25,11 +25,10 @@ from lightning_modules.callbacks import BenchmarkEvaluation, ExportCallback, Las
 from lightning_modules.config import load_config_or_exit, save_config
 from lightning_modules.evaluation import build_benchmarks, default_roots
 from lightning_modules.monitor import build_attribution_monitor
+from lightning_modules.resume import CHECKPOINT_DIR, LAST_CHECKPOINT, choose_resume_checkpoint
 
 log = logging.getLogger("lightning_modules.fit")
 
-CHECKPOINT_DIR = "checkpoints"
-LAST_CHECKPOINT = "last.ckpt"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -67,12 +66,13 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
 
 
 def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> Optional[str]:
-    """last.ckpt of this run directory when resuming, else None (a fresh start)."""
-    last = run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
-    if cfg.resume and last.is_file():
-        print(f"Resuming from {last}", flush=True)
-        return str(last)
-    return None
+    """The newest intact checkpoint of this run directory when resuming (see resume.py), else None."""
+    if not cfg.resume:
+        return None
+    chosen = choose_resume_checkpoint(run_dir)
+    if chosen is not None:
+        print(f"Resuming from {chosen}", flush=True)
+    return str(chosen) if chosen is not None else None
 
 
 def resolve_precision(precision: str) -> str:

@@ -127,3 +127,100 @@ def cae_attribution_loss(attr_obj: Tensor, attr_comp: Tensor, valid: Tensor, mar
     hinge = (attr_obj - attr_comp + margin).clamp(min=0)
     weights = valid.to(hinge.dtype)
     return (hinge * weights).sum() / weights.sum().clamp(min=1)
+
+
+# ----- MACCO-CLIP (METHODS.md, MACCO-CLIP) ------------------------------------------------------------------
+def masked_contrastive_loss(images: Tensor, masked_images: Tensor, texts: Tensor, masked_texts: Tensor,
+                            logit_scale: Tensor) -> Tensor:
+    """MACCO's `L_mca`: InfoNCE over [I; I~] x [T; T~] (2B x 2B) with labels [0..B-1, 0..B-1], both directions.
+
+    Masked samples are extra anchors whose positive is the full sample of the other modality, and extra
+    negatives for every other anchor. All inputs [B, D] are L2-normalised. Under data parallelism each rank
+    scores its own 2B rows against the gathered columns [T_all; T~_all] (features gathered with gradient,
+    labels offset by B * rank), so the mean over ranks equals the single-process loss of the global batch.
+    """
+    with torch.autocast(device_type=images.device.type, enabled=False):
+        images, masked_images, texts, masked_texts, logit_scale = _fp32(
+            images, masked_images, texts, masked_texts, logit_scale)
+        rank, world_size = world_info()
+        if world_size > 1:
+            check_equal_batches(images.shape[0], world_size, images.device)
+        gather = lambda x: gather_features(x, rank, world_size, with_grad=True)  # noqa: E731
+        text_columns = torch.cat([gather(texts), gather(masked_texts)])
+        image_columns = torch.cat([gather(images), gather(masked_images)])
+        labels = (torch.arange(images.shape[0], device=images.device) + images.shape[0] * rank).repeat(2)
+        image_rows, text_rows = torch.cat([images, masked_images]), torch.cat([texts, masked_texts])
+        image_to_text = F.cross_entropy(logit_scale * image_rows @ text_columns.T, labels)
+        text_to_image = F.cross_entropy(logit_scale * text_rows @ image_columns.T, labels)
+        return (image_to_text + text_to_image) / 2
+
+
+def mean_over_masked_samples(per_item: Tensor, mask: Tensor) -> Tensor:
+    """Mean over positions where `mask` [B, N] is True within each sample, then over samples with >= 1 such.
+
+    `per_item` is [B, N]. Samples with an empty mask are left out (MACCO's averaging for L_mlm / L_mim); a
+    batch without any masked position gives 0, still connected to the graph (no NaN from an empty mean).
+    """
+    weights = mask.to(per_item.dtype)
+    counts = weights.sum(dim=1)
+    per_sample = (per_item * weights).sum(dim=1) / counts.clamp(min=1)
+    valid = (counts > 0).to(per_item.dtype)
+    return (per_sample * valid).sum() / valid.sum().clamp(min=1)
+
+
+def masked_token_loss(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """MACCO's `L_mlm`: cross-entropy at the masked token positions only.
+
+    Args:
+        logits: [M, V] vocabulary logits of the M masked positions, in `mask.nonzero()` (row-major) order;
+            the B x L x V tensor is never built (several GB at B=256, V=49408).
+        targets: [M] token ids at those positions.
+        mask: [B, L] bool, the masked positions.
+
+    Returns:
+        Mean per sample over its masked tokens, then mean over samples with >= 1 masked token (fp32).
+    """
+    with torch.autocast(device_type=logits.device.type, enabled=False):
+        per_token = F.cross_entropy(logits.float(), targets, reduction="none")
+        scattered = torch.zeros(mask.shape, dtype=per_token.dtype, device=per_token.device)
+        scattered = scattered.masked_scatter(mask, per_token)
+        return mean_over_masked_samples(scattered, mask)
+
+
+def patchify(images: Tensor, patch_size: int) -> Tensor:
+    """Images [B, C, H, W] -> patches [B, P, p * p * C], P row-major over the grid (as ViT's patch order).
+
+    Within a patch the layout is (row in patch, column in patch, channel), channel fastest: MAE's
+    `nchpwq -> nhwpqc`, which is what the original MACCO code uses and what the pixel head predicts.
+    """
+    batch, channels, height, width = images.shape
+    if height % patch_size or width % patch_size:
+        raise ValueError(f"image {height}x{width} is not a whole number of {patch_size}-pixel patches")
+    rows, cols = height // patch_size, width // patch_size
+    x = images.reshape(batch, channels, rows, patch_size, cols, patch_size)
+    x = torch.einsum("nchpwq->nhwpqc", x)
+    return x.reshape(batch, rows * cols, patch_size * patch_size * channels)
+
+
+def normalised_patch_targets(images: Tensor, patch_size: int, eps: float = 1e-6) -> Tensor:
+    """MACCO's pixel targets: each patch of the (augmented, CLIP-normalised) input standardised on its own,
+    (x - mean) / sqrt(var + eps) with the unbiased variance over the patch's p * p * C values. [B, P, p*p*C]"""
+    patches = patchify(images.float(), patch_size)
+    mean = patches.mean(dim=-1, keepdim=True)
+    var = patches.var(dim=-1, keepdim=True, unbiased=True)
+    return (patches - mean) / (var + eps).sqrt()
+
+
+def masked_patch_loss(predicted: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """MACCO's `L_mim`: per-patch MSE (mean over the p*p*C values), at masked patches only.
+
+    Args:
+        predicted: [B, P, K] pixel predictions; target: [B, P, K] (`normalised_patch_targets`).
+        mask: [B, P] bool, the masked patches.
+
+    Returns:
+        Mean per sample over its masked patches, then mean over samples with >= 1 masked patch (fp32).
+    """
+    with torch.autocast(device_type=predicted.device.type, enabled=False):
+        per_patch = (predicted.float() - target.float()).pow(2).mean(dim=-1)
+        return mean_over_masked_samples(per_patch, mask)

@@ -1,0 +1,463 @@
+"""MACCO-CLIP: each loss term against a slow reference, the stop-gradients, mask tokens, predictors, parameter
+groups, configs, a smoke fit on the shapes world with masks, and the export in plain open_clip."""
+from __future__ import annotations
+
+import math
+import os
+
+import open_clip
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_fit import mask_cache, shapes_root, tiny_config  # noqa: F401 (pytest fixtures)
+
+from lightning_modules import METHODS
+from lightning_modules.config import REPO_ROOT, load_config
+from lightning_modules.export import load_export
+from lightning_modules.fit import run
+from lightning_modules.losses import (masked_contrastive_loss, masked_patch_loss, masked_token_loss,
+                                      normalised_patch_targets, patchify)
+from lightning_modules.macco import MaccoCLIP, padding_positions, sincos_2d_positions
+
+CAPTIONS = ["a red cube to the left of a blue ball", "a man riding a horse", "a dog", "a small green triangle"]
+GRID, PATCH = 4, 16  # ViT-Tiny-16-64
+
+
+# ----- slow references -----------------------------------------------------------------------------------
+def reference_infonce(rows, columns, positives, scale):
+    """Mean over rows of -log softmax(scale * <row, column>)[positive], one row at a time."""
+    total = 0.0
+    for row, positive in zip(rows, positives):
+        scores = torch.stack([scale * row.dot(column) for column in columns])
+        total = total - (scores[positive] - torch.logsumexp(scores, 0))
+    return total / len(rows)
+
+
+def reference_mca(images, masked_images, texts, masked_texts, scale):
+    """[I; I~] against [T; T~] and back; anchor b and its masked copy both have positive column b."""
+    n = images.shape[0]
+    positives = list(range(n)) * 2
+    image_rows, text_rows = list(images) + list(masked_images), list(texts) + list(masked_texts)
+    return (reference_infonce(image_rows, text_rows, positives, scale) +
+            reference_infonce(text_rows, image_rows, positives, scale)) / 2
+
+
+def reference_clip(a, b, scale):
+    positives = list(range(a.shape[0]))
+    return (reference_infonce(list(a), list(b), positives, scale) + reference_infonce(list(b), list(a), positives,
+                                                                                       scale)) / 2
+
+
+def reference_masked_mean(per_sample_values):
+    """per_sample_values: one list of per-position losses per sample; empty samples are left out."""
+    kept = [sum(values) / len(values) for values in per_sample_values if values]
+    return sum(kept) / len(kept) if kept else 0.0
+
+
+def reference_patch(image, row, col, patch):
+    """One patch's values in (row in patch, column in patch, channel) order, channel fastest."""
+    return torch.stack([image[c, row * patch + i, col * patch + j] for i in range(patch) for j in range(patch)
+                        for c in range(image.shape[0])])
+
+
+def reference_normalised(values):
+    n = values.numel()
+    mean = values.sum() / n
+    var = ((values - mean) ** 2).sum() / (n - 1)  # unbiased, as the original
+    return (values - mean) / torch.sqrt(var + 1e-6)
+
+
+def unit(*shape, seed=0):
+    return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), dim=-1)
+
+
+# ----- loss functions on hand-made features --------------------------------------------------------------
+def test_masked_contrastive_loss_matches_the_slow_reference():
+    feats = [unit(3, 5, seed=s) for s in range(4)]
+    scale = torch.tensor(9.0, dtype=torch.float64)
+    loss = masked_contrastive_loss(*feats, scale)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(float(reference_mca(*feats, scale)), abs=1e-5)
+    # the masked copies matter: they are extra anchors and negatives (not a plain B x B CLIP loss)
+    assert loss.item() != pytest.approx(float(reference_clip(feats[0], feats[2], scale)), abs=1e-3)
+
+
+def test_masked_token_loss_matches_a_loop_and_leaves_out_empty_samples():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 1, 0, 1, 1, 0]], dtype=torch.bool)
+    targets_full = torch.randint(0, 7, (3, 6), generator=g)
+    logits = torch.randn(int(mask.sum()), 7, generator=g, requires_grad=True)
+    loss = masked_token_loss(logits, targets_full[mask], mask)
+    rows = mask.nonzero().tolist()
+    per_sample = [[] for _ in range(3)]
+    for (b, t), row in zip(rows, logits):
+        per_sample[b].append(float(-(row.detach().log_softmax(0)[targets_full[b, t]])))
+    assert per_sample[1] == []  # the empty sample is excluded (not counted as 0)
+    assert loss.item() == pytest.approx(reference_masked_mean(per_sample), abs=1e-5)
+    loss.backward()
+    assert logits.grad.abs().sum() > 0
+
+
+def test_no_masked_token_or_patch_gives_zero_not_nan():
+    logits = torch.zeros(0, 7, requires_grad=True)
+    loss = masked_token_loss(logits, torch.zeros(0, dtype=torch.long), torch.zeros(2, 5, dtype=torch.bool))
+    assert loss.item() == 0.0 and loss.requires_grad
+    predicted = torch.randn(2, 4, 6, requires_grad=True)
+    loss = masked_patch_loss(predicted, torch.randn(2, 4, 6), torch.zeros(2, 4, dtype=torch.bool))
+    assert loss.item() == 0.0 and loss.requires_grad
+
+
+def test_patch_targets_are_channel_last_patches_normalised_with_the_unbiased_variance():
+    images = torch.randn(2, 3, 8, 12, generator=torch.Generator().manual_seed(1))
+    patches, targets = patchify(images, 4), normalised_patch_targets(images, 4)
+    assert patches.shape == targets.shape == (2, 6, 48)
+    for b in range(2):
+        for r in range(2):
+            for c in range(3):
+                expected = reference_patch(images[b], r, c, 4)
+                assert torch.equal(patches[b, r * 3 + c], expected)  # row-major patch order, like ViT
+                assert torch.allclose(targets[b, r * 3 + c], reference_normalised(expected), atol=1e-5)
+
+
+def test_masked_patch_loss_matches_a_loop_and_leaves_out_empty_samples():
+    g = torch.Generator().manual_seed(2)
+    predicted, target = torch.randn(3, 4, 6, generator=g), torch.randn(3, 4, 6, generator=g)
+    mask = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0]], dtype=torch.bool)
+    per_sample = [[float(((predicted[b, p] - target[b, p]) ** 2).mean()) for p in range(4) if mask[b, p]]
+                  for b in range(3)]
+    assert masked_patch_loss(predicted, target, mask).item() == pytest.approx(reference_masked_mean(per_sample),
+                                                                              abs=1e-6)
+
+
+def test_sincos_positions_follow_mae_column_half_first():
+    positions = sincos_2d_positions(8, (2, 3))
+    assert positions.shape == (6, 8)
+    row, col = 1, 2  # patch 5
+    omega = [1.0, 1 / 100.0]  # 1 / 10000^(k / 2), k = 0, 1
+    expected = [math.sin(col * w) for w in omega] + [math.cos(col * w) for w in omega] + \
+               [math.sin(row * w) for w in omega] + [math.cos(row * w) for w in omega]
+    assert torch.allclose(positions[row * 3 + col], torch.tensor(expected), atol=1e-6)
+
+
+# ----- the module on a hand-made batch -------------------------------------------------------------------
+def make_module(*overrides: str) -> MaccoCLIP:
+    cfg = load_config([], ["model.name=ViT-Tiny-16-64", "method.name=macco", *overrides])
+    torch.manual_seed(0)
+    return MaccoCLIP(cfg).train()
+
+
+@pytest.fixture(scope="module")
+def module() -> MaccoCLIP:
+    return make_module()
+
+
+def make_batch(module: MaccoCLIP) -> dict:
+    ids = module.tokenizer(CAPTIONS)
+    comp = torch.zeros_like(ids, dtype=torch.bool)
+    comp[0, [2, 6, 7, 8]] = True  # "red", "left of" ...
+    comp[1, 3] = True  # "riding"
+    comp[3, [2, 3]] = True  # "small green"; "a dog" (row 2) has no composition word: empty text mask
+    comp[0, 0] = True  # SOT is never masked, even if a mask says so
+    patch = torch.zeros(len(CAPTIONS), GRID * GRID, dtype=torch.bool)
+    patch[0, [0, 1, 4, 5]] = True
+    patch[1, 10] = True
+    patch[2, 8:] = True  # row 3 has an empty patch mask
+    images = torch.randn(len(CAPTIONS), 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    return {"image": images, "text": ids, "comp_mask": comp, "patch_mask": patch}
+
+
+def test_default_weights_are_the_papers():
+    m = load_config([], ["method.name=macco"]).method
+    assert (m.mca_weight, m.mir_weight, m.mlm_weight, m.mim_weight) == (1.0, 0.1, 20.0, 250.0)
+    assert (m.text_predictor_depth, m.image_predictor_depth, m.key_padding_mask) == (2, 3, True)
+
+
+def test_every_term_equals_its_slow_reference_with_its_weight(module):
+    batch = make_batch(module)
+    torch.manual_seed(0)
+    terms, report = module.compute_terms(batch)
+    out = module.macco_forward(batch)  # deterministic: the same tensors as inside compute_terms
+    scale = module.clip.logit_scale.exp().detach()
+    n = lambda x: F.normalize(x.detach(), dim=-1)  # noqa: E731
+    image, masked_image = n(out.image.pooled), n(out.masked_image.pooled)
+    text, masked_text = n(out.text.pooled), n(out.masked_text.pooled)
+    assert terms["mca_loss"].item() == pytest.approx(float(reference_mca(image, masked_image, text, masked_text,
+                                                                         scale)), abs=1e-4)
+    mir = (reference_clip(masked_text, text, scale) + reference_clip(masked_image, image, scale)) / 2
+    assert terms["mir_loss"].item() == pytest.approx(0.1 * float(mir), abs=1e-5)
+    # L_mlm: the full vocabulary head at every masked (sample, position), against the caption's own token
+    ids = batch["text"]
+    per_sample = [[] for _ in CAPTIONS]
+    for b in range(len(CAPTIONS)):
+        for t in range(1, int(ids[b].argmax())):
+            if batch["comp_mask"][b, t]:
+                logits = module.text_predictor.logits(out.text_predictor_features[b, t].detach())
+                per_sample[b].append(float(-logits.log_softmax(0)[ids[b, t]]))
+    assert per_sample[2] == [] and len(per_sample[0]) == 4  # SOT dropped from row 0's mask
+    assert terms["mlm_loss"].item() == pytest.approx(20 * reference_masked_mean(per_sample), rel=1e-5)
+    # L_mim: the predicted pixels of each masked patch against that patch of the input, normalised
+    per_sample = [[] for _ in CAPTIONS]
+    for b in range(len(CAPTIONS)):
+        for p in range(GRID * GRID):
+            if batch["patch_mask"][b, p]:
+                target = reference_normalised(reference_patch(batch["image"][b], p // GRID, p % GRID, PATCH))
+                per_sample[b].append(float(((out.pixel_predictions[b, p].detach() - target) ** 2).mean()))
+    assert terms["mim_loss"].item() == pytest.approx(250 * reference_masked_mean(per_sample), rel=1e-5)
+    assert report["unweighted/mim"].item() == pytest.approx(reference_masked_mean(per_sample), rel=1e-5)
+
+
+def test_report_counts_masked_tokens_patches_and_empty_samples(module):
+    _, report = module.compute_terms(make_batch(module))
+    assert report["mask/text_tokens"].item() == 7  # 4 + 1 + 0 + 2 (SOT excluded)
+    assert report["mask/image_patches"].item() == 4 + 1 + 8
+    assert report["mask/text_empty_fraction"].item() == 0.25
+    assert report["mask/image_empty_fraction"].item() == 0.25
+
+
+def grads_reach(loss, params) -> bool:
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    return any(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_stop_gradients_by_gradient_inspection():
+    """Image encoder: only L_mca and L_mir. L_mlm: text encoder, not the image encoder. L_mim: text encoder
+    (the keys are not detached), neither the image encoder nor the image mask token (queries detached)."""
+    module = make_module()
+    terms, _ = module.compute_terms(make_batch(module))
+    clip = module.clip
+    image_encoder = list(clip.visual.parameters())
+    text_encoder = [p for name, p in clip.named_parameters()
+                    if not name.startswith("visual.") and name != "logit_scale"]
+    reaches = {name: {"image": grads_reach(terms[f"{name}_loss"], image_encoder),
+                      "text": grads_reach(terms[f"{name}_loss"], text_encoder),
+                      "img_mask_token": grads_reach(terms[f"{name}_loss"], [module.img_mask_token]),
+                      "text_mask_token": grads_reach(terms[f"{name}_loss"], [module.text_mask_token])}
+               for name in ("mca", "mir", "mlm", "mim")}
+    assert reaches["mca"] == {"image": True, "text": True, "img_mask_token": True, "text_mask_token": True}
+    assert reaches["mir"] == {"image": True, "text": True, "img_mask_token": True, "text_mask_token": True}
+    assert reaches["mlm"] == {"image": False, "text": True, "img_mask_token": False, "text_mask_token": True}
+    assert reaches["mim"] == {"image": False, "text": True, "img_mask_token": False, "text_mask_token": False}
+
+
+def test_vocabulary_head_runs_on_masked_positions_only_and_equals_the_full_head(module):
+    shapes = []
+    hook = module.text_predictor.head.register_forward_hook(lambda mod, inputs, output: shapes.append(inputs[0].shape))
+    try:
+        with torch.no_grad():
+            out = module.macco_forward(make_batch(module))
+    finally:
+        hook.remove()
+    masked = int(out.text_mask.sum())
+    assert shapes == [(masked, 64)]  # never B x L x vocab
+    with torch.no_grad():
+        full = module.text_predictor.logits(out.text_predictor_features)  # [B, L, V]
+    assert full.shape[:2] == out.text_mask.shape
+    assert torch.allclose(out.vocabulary_logits, full[out.text_mask], atol=1e-5)
+
+
+def reference_text_tokens(clip, ids, replace, mask_token):
+    """open_clip's own modules: token embedding, replacement, THEN positions, causal tower, ln_final, projection."""
+    x = torch.where(replace.unsqueeze(-1), mask_token, clip.token_embedding(ids)) + clip.positional_embedding
+    x = clip.ln_final(clip.transformer(x, attn_mask=clip.attn_mask))
+    return x @ clip.text_projection
+
+
+def reference_image(visual, images, replace, mask_token):
+    x = visual.conv1(images).flatten(2).transpose(1, 2)
+    x = torch.where(replace.unsqueeze(-1), mask_token, x)
+    x = torch.cat([visual.class_embedding.expand(x.shape[0], 1, -1), x], dim=1) + visual.positional_embedding
+    x = visual.ln_post(visual.transformer(visual.ln_pre(x))) @ visual.proj
+    return x[:, 0], x[:, 1:]
+
+
+def test_mask_tokens_replace_embeddings_before_positions_through_the_module(module):
+    batch = make_batch(module)
+    with torch.no_grad():
+        out = module.macco_forward(batch)
+        length = out.ids.shape[1]
+        assert length == int(batch["text"].argmax(dim=-1).max()) + 1  # trimmed after the last EOS
+        assert torch.equal(out.masked_text.embeddings[out.text_mask],
+                           module.text_mask_token.expand(int(out.text_mask.sum()), -1))
+        full_mask = torch.zeros_like(batch["text"], dtype=torch.bool)
+        full_mask[:, :length] = out.text_mask
+        expected = reference_text_tokens(module.clip, batch["text"], full_mask, module.text_mask_token)
+        assert torch.allclose(out.masked_text.tokens, expected[:, :length], atol=1e-5)
+        assert torch.allclose(out.text.pooled, module.clip.encode_text(batch["text"]), atol=1e-5)
+        pooled, patches = reference_image(module.clip.visual, batch["image"], out.patch_mask, module.img_mask_token)
+        assert torch.allclose(out.masked_image.patches, patches, atol=1e-5)
+        assert torch.allclose(out.masked_image.pooled, pooled, atol=1e-5)
+        assert torch.allclose(out.image.pooled, module.clip.encode_image(batch["image"]), atol=1e-5)
+        assert not torch.allclose(out.masked_image.pooled, out.image.pooled, atol=1e-3)
+
+
+def test_trimming_the_text_is_exact_with_the_key_padding_mask(module):
+    batch = make_batch(module)
+    with torch.no_grad():
+        trimmed, _ = module.compute_terms(batch)
+        module.trim_text = False
+        try:
+            full, _ = module.compute_terms(batch)
+        finally:
+            module.trim_text = True
+    for name in trimmed:
+        assert trimmed[name].item() == pytest.approx(full[name].item(), rel=1e-5, abs=1e-6), name
+
+
+def test_without_the_key_padding_mask_every_text_position_is_a_key():
+    module = make_module("method.key_padding_mask=false")
+    assert not module.trim_text  # the original's 77 keys
+    with torch.no_grad():
+        out = module.macco_forward(make_batch(module))
+    assert out.ids.shape[1] == 77
+
+
+def test_key_padding_mask_hides_the_keys_after_eos(module):
+    predictor = module.image_predictor
+    ids = module.tokenizer(CAPTIONS)[:, :12]
+    g = torch.Generator().manual_seed(4)
+    queries, keys = torch.randn(4, GRID * GRID, 64, generator=g), torch.randn(4, 12, 64, generator=g)
+    edited = keys.clone()
+    padding = padding_positions(ids)
+    assert padding[2].sum() == 12 - 4  # "a dog": SOT, a, dog, EOS; the 8 positions after EOS are padding
+    edited[padding] = 100.0
+    with torch.no_grad():
+        assert torch.allclose(predictor(queries, keys, padding), predictor(queries, edited, padding), atol=1e-5)
+        assert not torch.allclose(predictor(queries, keys), predictor(queries, edited), atol=1e-3)
+
+
+def test_missing_masks_name_the_setting(module):
+    batch = make_batch(module)
+    del batch["patch_mask"]
+    with pytest.raises(KeyError, match="data.masks=true"):
+        module.compute_terms(batch)
+
+
+# ----- optimisation groups and configs -------------------------------------------------------------------
+def group_names(module: MaccoCLIP) -> dict:
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return {g["name"]: (g, {name_of[id(p)] for p in g["params"]}) for g in module.param_groups()}
+
+
+@pytest.mark.parametrize("logit_scale_group", ["backbone", "head"])
+def test_parameter_groups_of_the_paper_config(logit_scale_group):
+    cfg = load_config([REPO_ROOT / "configs" / "macco.yaml"], [
+        "model.name=ViT-Tiny-16-64", "model.pretrained=null", f"optim.logit_scale_group={logit_scale_group}"])
+    assert tuple(cfg.optim.betas) == (0.9, 0.999) and cfg.optim.eps == 1e-8
+    torch.manual_seed(0)
+    groups = group_names(MaccoCLIP(cfg))
+    assert set(groups) == {"backbone", "backbone_no_decay", "head", "head_no_decay", "logit_scale"}
+    for name in ("backbone", "backbone_no_decay"):
+        settings, names = groups[name]
+        assert settings["lr"] == 5e-7 and all(n.startswith("encoders.model.") for n in names)
+    assert groups["backbone"][0]["weight_decay"] == 0.2 and groups["backbone_no_decay"][0]["weight_decay"] == 0.0
+    head, head_names = groups["head"]
+    head_no_decay, head_no_decay_names = groups["head_no_decay"]
+    assert head["lr"] == head_no_decay["lr"] == 1e-3
+    assert head["weight_decay"] == 0.01 and head_no_decay["weight_decay"] == 0.0
+    assert {"text_mask_token", "img_mask_token"} <= head_no_decay_names  # 1-d: no decay
+    assert "text_predictor.head.weight" in head_names and "image_predictor.embed.weight" in head_names
+    assert all(n.startswith(("text_predictor.", "image_predictor.", "text_mask_token", "img_mask_token"))
+               for n in head_names | head_no_decay_names)
+    settings, names = groups["logit_scale"]
+    assert names == {"encoders.model.logit_scale"} and settings["weight_decay"] == 0.0
+    assert settings["lr"] == (5e-7 if logit_scale_group == "backbone" else 1e-3)
+
+
+def test_configs_hold_the_recipe():
+    paper = load_config([REPO_ROOT / "configs" / "macco.yaml"])
+    assert paper.model.name == "ViT-B-32-quickgelu" and paper.model.pretrained == "openai"
+    assert paper.data.masks and paper.preprocess.grounder == "groundingdino"
+    assert (paper.trainer.max_epochs, paper.data.batch_size, paper.optim.warmup_steps) == (5, 256, 50)
+    assert paper.trainer.precision == "bf16-mixed" and paper.trainer.strategy == "ddp"
+    assert paper.checkpoint.monitor == "val/mca_loss"
+    demo = load_config([REPO_ROOT / "configs" / "demo" / "macco.yaml"])
+    assert demo.model.pretrained == "runs/demo_pretrain/export" and demo.trainer.max_steps == 300
+    assert demo.method.name == "macco" and demo.data.masks
+
+
+# ----- a fit on the shapes world and its export ----------------------------------------------------------
+def test_smoke_fit_with_masks_logs_the_report_and_exports_plain_open_clip(shapes_root, mask_cache,  # noqa: F811
+                                                                          tmp_path, monkeypatch):
+    monkeypatch.setitem(METHODS, "macco", MaccoCLIP)
+    cfg = tiny_config(shapes_root, tmp_path, "method.name=macco", "data.masks=true",
+                      f"preprocess.cache_root={mask_cache}", "checkpoint.monitor=val/mca_loss",
+                      "trainer.max_steps=4", "trainer.limit_val_batches=1")  # 4 steps = 1 epoch: validation runs
+    trainer = run(cfg)
+    assert trainer.global_step == 4
+    run_dir = tmp_path / "demo_pretrain"
+    events = EventAccumulator(str(run_dir / "tb" / "version_0"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/mca_loss", "train/mir_loss", "train/mlm_loss", "train/mim_loss", "train/unweighted/mlm",
+            "train/mask/text_tokens", "train/mask/image_patches", "train/mask/text_empty_fraction",
+            "train/mask/image_empty_fraction", "val/mca_loss", "lr/head", "lr/logit_scale"} <= tags, tags
+    assert all(e.value > 0 for e in events.Scalars("train/mask/text_tokens"))
+    module = trainer.lightning_module.eval()
+    export_dir = run_dir / "export"
+    state = torch.load(export_dir / "open_clip.pt")
+    assert not any("predictor" in k or "mask_token" in k for k in state)
+    open_clip.add_model_config(export_dir / "model_configs")
+    model, _, _ = open_clip.create_model_and_transforms("ViT-Tiny-16-64", pretrained=str(export_dir / "open_clip.pt"))
+    model.eval()
+    ids, images = module.tokenizer(CAPTIONS), torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(model.encode_text(ids), module.encoders.encode_text(ids).pooled, atol=1e-5)
+        assert torch.allclose(model.encode_image(images), module.encoders.encode_image(images).pooled, atol=1e-5)
+        assert torch.allclose(load_export(export_dir).model.eval().encode_image(images), model.encode_image(images),
+                              atol=1e-6)
+
+
+# ----- 2-process gloo parity of L_mca ----------------------------------------------------------------------
+WORLD, LOCAL_BATCH = 2, 3
+
+
+class Towers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.image, self.text = torch.nn.Linear(6, 5), torch.nn.Linear(4, 5)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(math.log(10.0)))
+
+    def forward(self, x_image, x_masked_image, x_text, x_masked_text):
+        n = lambda x: F.normalize(x, dim=-1)  # noqa: E731
+        return masked_contrastive_loss(n(self.image(x_image)), n(self.image(x_masked_image)), n(self.text(x_text)),
+                                       n(self.text(x_masked_text)), self.logit_scale.exp())
+
+
+def mca_loss_and_grads(rank_slice):
+    g = torch.Generator().manual_seed(7)
+    n = WORLD * LOCAL_BATCH
+    inputs = [torch.randn(n, 6, generator=g), torch.randn(n, 6, generator=g), torch.randn(n, 4, generator=g),
+              torch.randn(n, 4, generator=g)]
+    if rank_slice is not None:
+        inputs = [x[rank_slice] for x in inputs]
+    model = Towers()
+    loss = model(*inputs)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _mca_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        loss, grads = mca_loss_and_grads(slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH))
+        dist.all_reduce(loss)
+        for grad in grads.values():  # DDP: mean over ranks
+            dist.all_reduce(grad)
+            grad /= WORLD
+        torch.save({"loss": loss / WORLD, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mca_on_two_gloo_processes_equals_the_global_batch(tmp_path):
+    mp.start_processes(_mca_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    expected_loss, expected_grads = mca_loss_and_grads(None)
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.allclose(result["loss"], expected_loss, atol=1e-5)
+        for name, grad in expected_grads.items():
+            assert torch.allclose(result["grads"][name], grad, atol=1e-5), name

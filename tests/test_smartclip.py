@@ -1,0 +1,297 @@
+"""SmartCLIP: modular losses against a slow reference, the straight-through mask, the detached mask network,
+optimizer groups, exact parity under 2 real gloo processes, and a smoke fit on the tiny shapes world."""
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_fit import a_batch, shapes_root, tiny_config  # noqa: F401  (shapes_root is a fixture)
+
+import lightning_modules
+from lightning_modules.base import total_loss
+from lightning_modules.config import REPO_ROOT, load_config
+from lightning_modules.export import load_export
+from lightning_modules.fit import run
+from lightning_modules.modular_losses import (ModularContrastiveLoss, mask_sparsity, masked_logits,
+                                              straight_through_mask)
+from lightning_modules.smartclip import MaskNetwork, SmartCLIP, caption_positions, mask_report
+
+BATCH, DIM, WORLD = 4, 6, 2
+CAPTIONS = ["a red cube to the left of a blue ball", "a man riding a horse", "a dog", "a small green triangle"]
+
+
+# ----- the losses against their definition (METHODS.md), one anchor at a time ---------------------------------
+def reference_losses(images, texts, masks, tau):
+    """sidm_i = CE_j(tau <norm(x_i m_j), t_j>, i); dism_i = CE_k(tau <norm(x_k m_i), t_i>, i)."""
+    n = images.shape[0]
+    sidm, dism = 0.0, 0.0
+    for i in range(n):
+        over_captions = torch.stack([tau * F.normalize(images[i] * masks[j], dim=0).dot(texts[j]) for j in range(n)])
+        sidm = sidm - (over_captions[i] - torch.logsumexp(over_captions, 0))
+        over_images = torch.stack([tau * F.normalize(images[k] * masks[i], dim=0).dot(texts[i]) for k in range(n)])
+        dism = dism - (over_images[i] - torch.logsumexp(over_images, 0))
+    return sidm / n, dism / n
+
+
+def random_inputs(binary: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(BATCH, DIM, generator=g, dtype=torch.float64)
+    texts = F.normalize(torch.randn(BATCH, DIM, generator=g, dtype=torch.float64), dim=-1)
+    masks = torch.rand(BATCH, DIM, generator=g, dtype=torch.float64)
+    if binary:
+        masks = (masks > 0.5).double()
+        masks[1] = 0.0  # a caption whose mask keeps nothing: scores 0, finite gradients (F.normalize's eps)
+    return [t.requires_grad_() for t in (images, texts, masks)]
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_losses_and_gradients_match_the_slow_reference(binary):
+    inputs = random_inputs(binary)
+    sidm, dism = ModularContrastiveLoss(temperature=7.0)(*inputs)
+    grads = torch.autograd.grad(sidm + 2 * dism, inputs)
+    expected_sidm, expected_dism = reference_losses(*[t.float() for t in inputs], 7.0)
+    expected_grads = torch.autograd.grad(expected_sidm + 2 * expected_dism, inputs)
+    assert torch.allclose(sidm, expected_sidm, atol=1e-5) and torch.allclose(dism, expected_dism, atol=1e-5)
+    for grad, expected in zip(grads, expected_grads):
+        assert torch.isfinite(grad).all()
+        assert torch.allclose(grad.float(), expected.float(), atol=1e-5)
+
+
+def test_the_two_directions_differ_and_the_mask_changes_the_scores():
+    images, texts, masks = random_inputs(binary=True)
+    sidm, dism = ModularContrastiveLoss(100.0)(images, texts, masks)
+    assert not torch.allclose(sidm, dism)  # rows and columns of S are different cross-entropies
+    unmasked = masked_logits(images, torch.ones_like(masks), texts, 100.0)
+    plain = 100.0 * F.normalize(images, dim=-1) @ texts.T  # an all-ones mask is plain CLIP
+    assert torch.allclose(unmasked, plain)
+    assert not torch.allclose(masked_logits(images, masks, texts, 100.0), plain)
+
+
+def test_losses_in_fp32_under_bf16_autocast():
+    images, texts, masks = (t.detach().bfloat16() for t in random_inputs(binary=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sidm, dism = ModularContrastiveLoss(100.0)(images, texts, masks)
+    assert sidm.dtype == dism.dtype == torch.float32
+    expected = reference_losses(images.float(), texts.float(), masks.float(), 100.0)
+    assert torch.allclose(sidm, expected[0], atol=1e-4) and torch.allclose(dism, expected[1], atol=1e-4)
+
+
+def test_straight_through_mask_is_binary_with_the_sigmoid_gradient():
+    logits = torch.tensor([[-2.0, -0.1, 0.0, 0.3, 4.0]], requires_grad=True)
+    weights = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    hard = straight_through_mask(logits, hard=True)
+    assert hard.tolist() == [[0.0, 0.0, 1.0, 1.0, 1.0]]  # sigmoid >= 0.5
+    (grad,) = torch.autograd.grad((hard * weights).sum(), logits)
+    soft = torch.sigmoid(logits.detach())
+    assert torch.allclose(grad, weights * soft * (1 - soft))  # straight through: the sigmoid's gradient
+    assert torch.allclose(straight_through_mask(logits, hard=False), torch.sigmoid(logits))
+    assert mask_sparsity(hard).item() == pytest.approx(0.6)
+
+
+# ----- 2-process gloo parity -------------------------------------------------------------------------------------
+class TinySmartTowers(torch.nn.Module):
+    """Image and text towers plus a mask network, reduced to Linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = torch.nn.Linear(8, DIM)
+        self.text = torch.nn.Linear(5, DIM)
+        self.mask = torch.nn.Linear(5, DIM)
+
+    def forward(self, x_image, x_text, loss_fn):
+        masks = straight_through_mask(self.mask(x_text), hard=True)
+        sidm, dism = loss_fn(self.image(x_image), F.normalize(self.text(x_text), dim=-1), masks)
+        return {"sidm": sidm, "dism": dism, "sparsity": mask_sparsity(masks)}, mask_report(masks)
+
+
+def parity_run(rank_slice):
+    """Losses, mask report and gradients on the slice of a fixed global batch (all of it if None)."""
+    model, loss_fn = TinySmartTowers(), ModularContrastiveLoss(100.0)
+    g = torch.Generator().manual_seed(123)
+    x_image, x_text = torch.randn(BATCH * WORLD, 8, generator=g), torch.randn(BATCH * WORLD, 5, generator=g)
+    if rank_slice is not None:
+        x_image, x_text = x_image[rank_slice], x_text[rank_slice]
+    losses, report = model(x_image, x_text, loss_fn)
+    (10 * (losses["sidm"] + losses["dism"]) + 2 * losses["sparsity"]).backward()
+    losses = {k: v.detach() for k, v in losses.items()}
+    return losses, report, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _parity_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        losses, report, grads = parity_run(slice(rank * BATCH, (rank + 1) * BATCH))
+        for value in [*losses.values(), *grads.values()]:  # sync_dist logging and DDP: means over ranks
+            dist.all_reduce(value)
+            value /= WORLD
+        # the mask report is already global on every rank (logging's mean over ranks keeps it)
+        torch.save({"losses": losses, "report": report, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_match_the_big_batch(tmp_path):
+    mp.start_processes(_parity_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn")
+    expected_losses, expected_report, expected_grads = parity_run(None)
+    assert expected_report["mask/active_min"] < expected_report["mask/active_max"]
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, value in expected_losses.items():
+            assert torch.allclose(result["losses"][name], value, atol=1e-5), name
+        assert {k: float(v) for k, v in result["report"].items()} == {k: float(v) for k, v in expected_report.items()}
+        for name, grad in expected_grads.items():
+            assert grad.abs().sum() > 0, name
+            assert torch.allclose(result["grads"][name], grad, atol=1e-5), name
+
+
+# ----- the mask network -------------------------------------------------------------------------------------------
+def test_mask_network_ignores_positions_after_eos_and_projects_only_when_widths_differ():
+    torch.manual_seed(0)
+    net = MaskNetwork(width=32, heads=2, embed_dim=16)
+    assert isinstance(net.to_logits, torch.nn.Linear)
+    assert isinstance(MaskNetwork(16, 2, 16).to_logits, torch.nn.Identity)
+    ids = torch.tensor([[49406, 320, 1929, 49407, 0, 0], [49406, 320, 49407, 0, 0, 0]])
+    valid = caption_positions(ids)
+    assert valid.sum(dim=1).tolist() == [4, 3]
+    tokens = torch.randn(2, 6, 32)
+    changed = tokens.clone()
+    changed[~valid] = torch.randn(int((~valid).sum()), 32) * 10
+    logits = net(tokens, valid)
+    assert logits.shape == (2, 16)
+    assert torch.allclose(net(changed, valid), logits, atol=1e-6)
+    changed[0, 1] += 1.0  # a real token does matter
+    assert not torch.allclose(net(changed, valid), logits, atol=1e-4)
+
+
+def smartclip_config(*overrides: str, files=()):
+    return load_config(files, ["model.name=ViT-Tiny-16-64", "method.name=smartclip", *overrides])
+
+
+@pytest.fixture(scope="module")
+def module():
+    torch.manual_seed(0)
+    return SmartCLIP(smartclip_config("method.modular_weight=3.0", "method.sparsity_weight=0.5")).train()
+
+
+def hand_made_batch(module: SmartCLIP) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"image": torch.randn(len(CAPTIONS), 3, 64, 64, generator=g), "text": module.tokenizer(CAPTIONS)}
+
+
+def test_terms_equal_the_reference_on_open_clips_own_forward(module):
+    batch = hand_made_batch(module)
+    module.zero_grad()
+    terms, report = module.compute_terms(batch)
+    with torch.no_grad():
+        # reference: open_clip's untrimmed forward, the ln_final output read by a hook (test only)
+        captured = []
+        handle = module.clip.ln_final.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        texts = F.normalize(module.clip.encode_text(batch["text"]), dim=-1)
+        handle.remove()
+        logits = module.mask_net(captured[0], caption_positions(batch["text"]))
+        masks = (torch.sigmoid(logits) >= 0.5).float()
+        images = module.clip.encode_image(batch["image"])
+        sidm, dism = reference_losses(images, texts, masks, 100.0)
+    assert terms["sidm_loss"].item() == pytest.approx(3.0 * sidm.item(), abs=1e-4)
+    assert terms["dism_loss"].item() == pytest.approx(3.0 * dism.item(), abs=1e-4)
+    assert terms["sparsity_loss"].item() == pytest.approx(0.5 * masks.mean().item(), abs=1e-6)
+    active = masks.sum(dim=1)
+    assert 0 < active.min() < active.max() < masks.shape[1]  # the report can tell min from max
+    assert [report[f"mask/active_{k}"].item() for k in ("mean", "min", "max")] == pytest.approx(
+        [active.mean().item(), active.min().item(), active.max().item()])
+    assert "unmasked_itc" not in report  # computed in validation only
+
+
+def test_the_mask_network_has_no_gradient_path_into_the_text_encoder(module):
+    module.zero_grad()
+    terms, _ = module.compute_terms(hand_made_batch(module))
+    terms["sparsity_loss"].backward(retain_graph=True)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.mask_net.block.mlp.parameters())
+    assert all(p.grad is None for p in module.clip.parameters()), "the mask must read detached text features"
+    terms["sidm_loss"].backward()  # the contrastive terms do train the text encoder (through t, not the mask)
+    assert module.clip.transformer.resblocks[0].attn.in_proj_weight.grad.abs().sum() > 0
+    assert module.clip.logit_scale.grad is None and not module.clip.logit_scale.requires_grad
+
+
+def test_validation_reports_the_unmasked_loss_at_the_fixed_temperature(module):
+    batch = hand_made_batch(module)
+    module.eval()
+    try:
+        with torch.no_grad():
+            _, report = module.compute_terms(batch)
+            images = F.normalize(module.clip.encode_image(batch["image"]), dim=-1)
+            texts = F.normalize(module.clip.encode_text(batch["text"]), dim=-1)
+    finally:
+        module.train()
+    logits = 100.0 * images @ texts.T
+    labels = torch.arange(len(CAPTIONS))
+    expected = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    assert report["unmasked_itc"].item() == pytest.approx(expected.item(), abs=1e-4)
+
+
+def test_two_learning_rate_groups_of_the_shipped_config():
+    torch.manual_seed(0)
+    module = SmartCLIP(smartclip_config("model.pretrained=null", files=[REPO_ROOT / "configs" / "smartclip.yaml"]))
+    groups = {g["name"]: g for g in module.param_groups()}
+    assert set(groups) == {"backbone", "backbone_no_decay", "head", "head_no_decay"}  # no logit_scale group
+    head_ids = {id(p) for g in ("head", "head_no_decay") for p in groups[g]["params"]}
+    assert head_ids == {id(p) for p in module.mask_net.parameters()}
+    for name in ("head", "head_no_decay"):
+        assert (groups[name]["lr"], groups[name]["weight_decay"], groups[name]["warmup_steps"]) == (1e-3, 0.0, 0)
+    assert (groups["backbone"]["lr"], groups["backbone"]["weight_decay"]) == (1e-6, 0.01)
+    assert groups["backbone"]["warmup_steps"] == 200 and groups["backbone_no_decay"]["weight_decay"] == 0.0
+    assert module._schedule(0, 1000)(0) == 1.0 and module._schedule(200, 1000)(0) == pytest.approx(1 / 200)
+
+
+# ----- on the tiny shapes world -----------------------------------------------------------------------------------
+@pytest.fixture
+def registered(monkeypatch):
+    """Register the method for fit (the lead adds it to lightning_modules.METHODS)."""
+    monkeypatch.setitem(lightning_modules.METHODS, "smartclip", SmartCLIP)
+
+
+def test_every_trainable_parameter_receives_a_gradient(shapes_root, tmp_path):  # noqa: F811
+    cfg = tiny_config(shapes_root, tmp_path, "method.name=smartclip")
+    L.seed_everything(0)
+    module = SmartCLIP(cfg).train()
+    terms, _ = module.compute_terms(a_batch(module, cfg))
+    total_loss(terms).backward()
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    assert any(name.startswith("mask_net.") for name in names)
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+        else:
+            assert param.grad is None, name
+
+
+def test_smoke_fit_trains_the_mask_network_and_exports_plain_clip(shapes_root, tmp_path, registered):  # noqa: F811
+    cfg = tiny_config(shapes_root, tmp_path, "method.name=smartclip", "trainer.max_steps=4",
+                      "optim.head_warmup_steps=0", "checkpoint.monitor=val/unmasked_itc")
+    L.seed_everything(0)
+    initial = {k: v.clone() for k, v in SmartCLIP(cfg).mask_net.state_dict().items()}
+    trainer = run(cfg)
+    module = trainer.lightning_module
+    assert trainer.global_step == 4
+    assert any(not torch.equal(initial[k], v) for k, v in module.mask_net.state_dict().items())
+    run_dir = tmp_path / "demo_pretrain"
+    assert len(list((run_dir / "checkpoints").glob("best-*.ckpt"))) == 1  # val/unmasked_itc was logged
+    exported = torch.load(run_dir / "export" / "open_clip.pt")
+    assert set(exported) == set(module.clip.state_dict())  # the mask network is not exported
+    rebuilt = load_export(run_dir / "export").model.eval()  # plain open_clip, strict loading
+    ids = module.tokenizer(["a red square left of a blue circle"])
+    with torch.no_grad():
+        assert torch.allclose(rebuilt.encode_text(ids), module.clip.eval().encode_text(ids), atol=1e-5)
+    events = EventAccumulator(str(run_dir / "tb" / "version_0"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/sidm_loss", "train/dism_loss", "train/sparsity_loss", "train/mask/active_mean",
+            "train/mask/active_min", "train/mask/active_max", "val/unmasked_itc", "lr/head"} <= tags, tags
