@@ -250,7 +250,7 @@ class MaccoCLIP(CompositionalCLIPModule):
         text_features = self.text_predictor.features(inject_global(masked_text.tokens, masked_text.pooled),
                                                      image_keys)
         # L_mim must not reach the image encoder (queries detached) but does train the text encoder (keys not).
-        image_queries = inject_global(masked_image.patches, masked_image.pooled)
+        image_queries = inject_global(masked_image.patches, masked_image.pooled).detach()
         padding = padding_positions(ids) if self.key_padding_mask else None
         pixels = self.image_predictor(image_queries, inject_global(text.tokens, text.pooled), padding)
         return MaccoOutputs(text, masked_text, image, masked_image, ids, text_mask, patch_mask, text_features,

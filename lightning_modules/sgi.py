@@ -68,13 +68,9 @@ def parse_grids(spec: Union[str, int, Sequence[Union[str, int]]]) -> Tuple[Union
 
 
 def _intervals(size: int, n: int) -> List[Tuple[int, int]]:
-    """`n` equal cells along a side of `size` pixels (integer edges k*size//n); never empty, so an image
-    smaller than the grid still yields valid (repeated) crops."""
-    cells = []
-    for k in range(n):
-        low = min(k * size // n, size - 1)
-        cells.append((low, max((k + 1) * size // n, low + 1)))
-    return cells
+    """`n` equal cells along a side of `size` pixels (integer edges k*size//n); a cell is never empty, so an
+    image smaller than the grid still yields valid (repeated) crops."""
+    return [(k * size // n, max((k + 1) * size // n, k * size // n + 1)) for k in range(n)]
 
 
 def crop_boxes(width: int, height: int, grids: Sequence[Union[int, str]]) -> List[Box]:
@@ -111,7 +107,7 @@ def relation_text(graph: SceneGraph, words: Sequence[Span]) -> str:
     start, end = words[0].start, words[-1].end
     inside = [s for entity in graph.entities for s in entity.words + entity.attributes
               if start <= s.start and s.end <= end]
-    return " ".join(word.text for word in words)
+    return graph.caption[start:end] if not inside else " ".join(word.text for word in words)
 
 
 def caption_segments(graph: SceneGraph) -> List[str]:
@@ -266,17 +262,17 @@ class SGIScorer(Scorer):
 
     def _segment_scores(self, layouts: Sequence[_Layout], texts: Sequence[str]) -> Tuple[Tensor, Tensor]:
         """[I, T] mean over each text's segments of the best crop cosine, and [T] whether a text has any."""
-        counts = torch.tensor([len(self.segments[text]) for text in texts])
-        local = torch.zeros(len(layouts), len(texts))
-        if counts.sum() == 0:
-            return local, counts > 0
+        counts = [len(self.segments[text]) for text in texts]
+        has_segments = torch.tensor(counts) > 0
+        if not any(counts):
+            return torch.zeros(len(layouts), len(texts)), has_segments
         segments = self.clip.text_embeddings([s for text in texts for s in self.segments[text]])  # [M, D]
-        owner = torch.repeat_interleave(torch.arange(len(texts)), counts)
         # averaging matrix [M, T]: column t holds 1/count_t on the rows of text t's segments
+        owner = [t for t, count in enumerate(counts) for _ in range(count)]
         average = torch.zeros(len(segments), len(texts))
-        average[torch.arange(len(segments)), owner] = 1.0 / counts[owner].float()
+        average[range(len(segments)), owner] = torch.tensor([1.0 / counts[t] for t in owner])
         best = self._best_crop_cosines(layouts, segments)  # [I, M]
-        return (best @ average.to(best.device)).cpu(), counts > 0
+        return (best @ average.to(best.device)).cpu(), has_segments
 
     def _best_crop_cosines(self, layouts: Sequence[_Layout], segments: Tensor) -> Tensor:
         """[I, M] max over each image's grid crops of the cosine with each segment, on the model's device, in
@@ -287,6 +283,6 @@ class SGIScorer(Scorer):
         blocks = []
         for start in range(0, len(layouts), step):
             keys = [key for layout in layouts[start:start + step] for key in layout.grid]
-            crops = self.crops.lookup(keys).to(device).view(-1, n_crops, segments.shape[-1])  # [i, K, D]
-            blocks.append(torch.einsum("ikd,md->ikm", crops, segments).amax(dim=1))
+            crops = self.crops.lookup(keys).to(device)  # [i * K, D]
+            blocks.append((crops @ segments.T).view(-1, n_crops, len(segments)).amax(dim=1))
         return torch.cat(blocks)

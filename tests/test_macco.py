@@ -258,6 +258,31 @@ def test_vocabulary_head_runs_on_masked_positions_only_and_equals_the_full_head(
     assert torch.allclose(out.vocabulary_logits, full[out.text_mask], atol=1e-5)
 
 
+def test_predictors_see_locals_averaged_with_their_own_sequences_global(module):
+    """Text predictor: masked text with the masked EOS / full patches with the full CLS; image predictor: masked
+    patches with the masked CLS / full text with the full EOS."""
+    seen = {}
+    hooks = [module.text_predictor.blocks[0].register_forward_pre_hook(
+                 lambda mod, args: seen.update(text_queries=args[0], text_keys=args[1])),
+             module.image_predictor.embed.register_forward_pre_hook(
+                 lambda mod, args: seen.update(image_queries=args[0])),
+             module.image_predictor.blocks[0].register_forward_pre_hook(
+                 lambda mod, args: seen.update(image_keys=args[1]))]
+    try:
+        with torch.no_grad():
+            out = module.macco_forward(make_batch(module))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    average = lambda local, global_: (local + global_[:, None]) / 2  # noqa: E731
+    assert torch.allclose(seen["text_queries"], average(out.masked_text.tokens, out.masked_text.pooled))
+    assert torch.allclose(seen["text_keys"], average(out.image.patches, out.image.pooled))
+    assert torch.allclose(seen["image_queries"], average(out.masked_image.patches, out.masked_image.pooled))
+    assert torch.allclose(seen["image_keys"], average(out.text.tokens, out.text.pooled))
+    eos = out.ids.argmax(dim=-1)
+    assert torch.allclose(out.text.pooled, out.text.tokens[torch.arange(len(eos)), eos])  # global = EOS row
+
+
 def reference_text_tokens(clip, ids, replace, mask_token):
     """open_clip's own modules: token embedding, replacement, THEN positions, causal tower, ln_final, projection."""
     x = torch.where(replace.unsqueeze(-1), mask_token, clip.token_embedding(ids)) + clip.positional_embedding
@@ -453,6 +478,7 @@ def _mca_worker(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~45 s on 2 busy cores: the spawned ranks import this test module
 def test_mca_on_two_gloo_processes_equals_the_global_batch(tmp_path):
     mp.start_processes(_mca_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
     expected_loss, expected_grads = mca_loss_and_grads(None)

@@ -39,9 +39,11 @@ from datamodules.benchmarks.base import (
     ImageRef,
     Item,
     ItemBenchmark,
+    JsonListBenchmark,
     Outcome,
     beats_all,
     grouped_percent,
+    load_json_list,
     macro,
     percent,
 )
@@ -76,14 +78,6 @@ def pre_caption(caption: str, max_words: int = MAX_WORDS) -> str:
     return " ".join(caption.split(" ")[:max_words])
 
 
-def _load_json_list(path: Path) -> list:
-    records = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(records, list):
-        # A ValueError like every other malformed-file error, so callers catch one type.
-        raise ValueError(f"{path}: expected a JSON list of records, found {type(records).__name__}")  # noqa: TRY004
-    return records
-
-
 def _require(path: Path, index: int, record: object, fields: Sequence[str]) -> None:
     """A ValueError naming the file, the record index and the missing field(s)."""
     if not isinstance(record, dict):
@@ -93,26 +87,10 @@ def _require(path: Path, index: int, record: object, fields: Sequence[str]) -> N
         raise ValueError(f"{path}: record {index} lacks {', '.join(missing)}")
 
 
-class _VisualGenomeBenchmark(ItemBenchmark):
+class _VisualGenomeBenchmark(JsonListBenchmark):
     """VG-Relation and VG-Attribution share files, items and the per-item rule; they differ in grouping."""
 
-    annotation_file = ""
     group_key = ""  # the outcome field the aggregate groups by
-
-    def __init__(self, root: str | Path, images: str | Path | None = None):
-        super().__init__(root)
-        self.images = Path(images) if images else self.root / "images"
-
-    def required_files(self) -> list[str]:
-        return [self.annotation_file]
-
-    def items(self) -> list[Item]:
-        return self._items
-
-    @cached_property
-    def _items(self) -> list[Item]:
-        path = self.root / self.annotation_file
-        return [self._item(path, index, record) for index, record in enumerate(_load_json_list(path))]
 
     def _item(self, path: Path, index: int, record: dict) -> Item:
         _require(path, index, record, ("image_path", "true_caption", "false_caption") + _BBOX_FIELDS)
@@ -230,7 +208,7 @@ class _OrderBenchmark(ItemBenchmark):
         """(item id "<record>/<caption>", image path, raw caption) in file order."""
         path = self.root / self.annotation_file
         pairs = []
-        for index, record in enumerate(_load_json_list(path)):
+        for index, record in enumerate(load_json_list(path)):
             _require(path, index, record, ("image", "caption"))
             captions = record["caption"]
             if not isinstance(captions, list) or not all(isinstance(c, str) for c in captions):

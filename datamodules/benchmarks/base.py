@@ -13,9 +13,11 @@ is 0, and wrong on VG-Relation, whose gold index is 1. One rule for all avoids t
 """
 from __future__ import annotations
 
+import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -124,6 +126,43 @@ class ItemBenchmark(Benchmark):
         scorer.prepare(unique(ref for item in items for ref in item.images),
                        unique(text for item in items for text in item.texts), progress=progress)
         return [self.outcome(item, scorer.score(item.images, item.texts)) for item in items]
+
+
+class JsonListBenchmark(ItemBenchmark):
+    """Items from one JSON list of records (`annotation_file` under root; ARO VG, What'sUp), one item each.
+
+    Subclasses set `annotation_file` and `image_folder` (the default images folder under root) and implement
+    `_item(path, index, record)`.
+    """
+
+    annotation_file: str = ""
+    image_folder: str = "images"
+
+    def __init__(self, root: str | Path, images: str | Path | None = None):
+        super().__init__(root)
+        self.images = Path(images) if images else self.root / self.image_folder
+
+    def required_files(self) -> List[str]:
+        return [self.annotation_file]
+
+    def items(self) -> List[Item]:
+        return self._items
+
+    @cached_property
+    def _items(self) -> List[Item]:
+        path = self.root / self.annotation_file
+        return [self._item(path, index, record) for index, record in enumerate(load_json_list(path))]
+
+    @abstractmethod
+    def _item(self, path: Path, index: int, record) -> Item:
+        """The item of record `index` of the file `path` (malformed records: ValueError naming both)."""
+
+
+def load_json_list(path: Path) -> list:
+    """A JSON file that must hold a list of records."""
+    records = json.loads(Path(path).read_text(encoding="utf-8"))
+    require(isinstance(records, list), f"{path}: expected a JSON list of records, found {type(records).__name__}")
+    return records
 
 
 def unique(values: Iterable) -> list:

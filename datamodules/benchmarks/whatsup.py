@@ -35,16 +35,14 @@ with the reference's labels.
 """
 from __future__ import annotations
 
-import json
 from abc import abstractmethod
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from datamodules.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, beats_all, percent, require
+from datamodules.benchmarks.base import (ImageRef, Item, JsonListBenchmark, Outcome, beats_all, percent, require)
 
 PREPOSITIONS_A = ("on", "under", "left_of", "right_of")
 PREPOSITIONS_B = ("left_of", "right_of", "in-front_of", "behind")
@@ -66,12 +64,6 @@ def gold_beats_all(similarity: np.ndarray) -> dict[str, bool]:
     return {"correct": beats_all(row, 0), "tie": bool(row[0] == np.max(row[1:]))}
 
 
-def _load_json_list(path: Path) -> list:
-    records = json.loads(path.read_text())
-    require(isinstance(records, list), f"{path}: expected a JSON list of records, got {type(records).__name__}")
-    return records
-
-
 def _accuracy_and_ties(outcomes: Sequence[Outcome]) -> dict[str, float]:
     return {"accuracy": percent([bool(o["correct"]) for o in outcomes]),
             "ties": float(sum(bool(o["tie"]) for o in outcomes)), "n": float(len(outcomes))}
@@ -84,7 +76,7 @@ def _per_preposition(outcomes: Sequence[Outcome]) -> dict[str, float]:
     return {f"prep/{prep}": percent(hits) for prep, hits in sorted(groups.items())}
 
 
-class _WhatsUpSet(ItemBenchmark):
+class _WhatsUpSet(JsonListBenchmark):
     """One What'sUp JSON file; the first caption option of every record is gold.
 
     Args:
@@ -92,27 +84,7 @@ class _WhatsUpSet(ItemBenchmark):
         images: the image folder; default `<root>/<image_folder>`, the authors' layout.
     """
 
-    annotation_file: str = ""
     image_folder: str = ""
-
-    def __init__(self, root: str | Path, images: str | Path | None = None):
-        super().__init__(root)
-        self.images = Path(images) if images else self.root / self.image_folder
-
-    def required_files(self) -> list[str]:
-        return [self.annotation_file]
-
-    def items(self) -> list[Item]:
-        return self._items
-
-    @cached_property
-    def _items(self) -> list[Item]:
-        path = self.root / self.annotation_file
-        return [self._item(path, index, record) for index, record in enumerate(_load_json_list(path))]
-
-    @abstractmethod
-    def _item(self, path: Path, index: int, record: object) -> Item:
-        """The item of record `index` of `path`; ValueError naming both when it is malformed."""
 
 
 class _WhatsUpControlled(_WhatsUpSet):
