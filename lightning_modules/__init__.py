@@ -6,10 +6,12 @@ from typing import Dict, Type
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.clip_cae import ClipCAE
 from lightning_modules.clip_ft import ClipFineTune
+from lightning_modules.smartclip import SmartCLIP
 
 METHODS: Dict[str, Type[CompositionalCLIPModule]] = {
     "clip_ft": ClipFineTune,
     "clip_cae": ClipCAE,
+    "smartclip": SmartCLIP,
 }
 
 

@@ -26,35 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# The options are the config schema's `method.attribution` section (fields and defaults documented there).
+from lightning_modules.config import AttributionConfig as AttributionOptions
 from lightning_modules.encoders import AttentionTrace, CLIPEncoders, TextFeatures, run_block
 
 HEADS = ("multi", "single")
-
-
-@dataclass
-class AttributionOptions:
-    """Options of every attribution method (METHODS.md defaults; [ours] where the papers are silent).
-
-    Attributes:
-        layers: attention: block indices averaged (None = all blocks).
-        head_reduce: attention: "mean" or "max" over heads.
-        start_layer: gradcam: first block of the relevance product (negative counts from the end; -1 = last).
-        eclip_layers: grad_eclip: the text map sums the last N blocks (8 in Grad-ECLIP).
-        heads: grad_eclip: "multi" (per-head q/k/v, the model as it is) or "single" (the paper's one-head
-            re-run of the explained blocks, which changes the function being explained).
-        replacement_id: perturbation: the token a word is replaced by (0, open_clip's padding token).
-        chunk_size: perturbation: perturbed captions per forward.
-        renormalise: divide by the sum over content tokens.
-    """
-
-    layers: Optional[List[int]] = None
-    head_reduce: str = "mean"
-    start_layer: int = -1
-    eclip_layers: int = 8
-    heads: str = "multi"
-    replacement_id: int = 0
-    chunk_size: int = 256
-    renormalise: bool = True
 
 
 def attribution_options(section) -> AttributionOptions:

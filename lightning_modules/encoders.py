@@ -36,6 +36,7 @@ class TextFeatures:
     attentions: Optional[List[Tensor]] = None  # per layer [B, heads, L, L] softmax probabilities
     traces: Optional[List["AttentionTrace"]] = None  # per layer, with attn=True
     embeddings: Optional[Tensor] = None  # [B, L, width] token embeddings as used (after replacement)
+    hidden: Optional[Tensor] = None  # [B, L, width] after ln_final, before the text projection
 
 
 @dataclass
@@ -275,10 +276,11 @@ class CLIPEncoders(nn.Module):
         x = embeddings + m.positional_embedding[:length].to(embeddings.dtype)
         attn_mask = m.attn_mask[:length, :length] if m.attn_mask is not None else None
         x, traces = run_blocks(m.transformer, x, attn_mask, need_attn=attn)
-        tokens = self.text_tokens(x)
+        hidden = m.ln_final(x)
+        tokens = _project(hidden, m.text_projection)
         attentions = [trace.probs for trace in traces] if traces is not None else None
         return TextFeatures(pooled=self.text_pool(tokens, ids), tokens=tokens, attentions=attentions,
-                            traces=traces, embeddings=embeddings)
+                            traces=traces, embeddings=embeddings, hidden=hidden)
 
     def text_tokens(self, x: Tensor) -> Tensor:
         """ln_final and the text projection of the tower's output sequence [B, L, width]."""

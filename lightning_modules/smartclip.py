@@ -21,7 +21,6 @@ from open_clip.transformer import ResidualAttentionBlock
 from torch import Tensor, nn
 
 from lightning_modules.base import CompositionalCLIPModule, Terms
-from lightning_modules.encoders import run_blocks
 from lightning_modules.losses import ClipLoss, gather_features, world_info
 from lightning_modules.modular_losses import (ModularContrastiveLoss, active_dimensions, mask_sparsity,
                                               straight_through_mask)
@@ -115,17 +114,10 @@ class SmartCLIP(CompositionalCLIPModule):
         """The trimmed text forward returning (pooled [B, D], hidden [B, L', width], valid [B, L']).
 
         `hidden` is the per-token output after ln_final and before the text projection, what the mask network
-        reads; `pooled` equals `encoders.encode_text(ids, trim=True).pooled`. Same submodules as
-        `CLIPEncoders.encode_text`, which returns only projected tokens.
+        reads (the tower is causal, so trimming after the batch's last EOS changes nothing).
         """
-        length = int(ids.argmax(dim=-1).max()) + 1  # drop positions after the batch's last EOS (causal tower)
-        ids = ids[:, :length]
-        m = self.clip
-        x = m.token_embedding(ids).to(m.transformer.get_cast_dtype())
-        x = x + m.positional_embedding[:length].to(x.dtype)
-        attn_mask = m.attn_mask[:length, :length] if m.attn_mask is not None else None
-        x, _ = run_blocks(m.transformer, x, attn_mask)
-        return self.encoders.text_head(x, ids), m.ln_final(x), caption_positions(ids)
+        features = self.encoders.encode_text(ids, trim=True)
+        return features.pooled, features.hidden, caption_positions(ids[:, : features.hidden.shape[1]])
 
 
 def mask_report(masks: Tensor) -> Terms:

@@ -210,6 +210,9 @@ class AlignerModule(CompositionalCLIPModule):
     """Frozen CLIP + `TokenAligner`; subclasses set `kind` ("local": token sets, "global": embeddings)."""
 
     kind = "local"
+    # fit builds datamodules.features.FeatureDataModule for such a module when data.features_cache is set
+    # (otherwise batches of images are encoded on the fly, under no_grad).
+    reads_cached_features = True
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
@@ -281,7 +284,13 @@ class AlignerModule(CompositionalCLIPModule):
         if self.trainer.is_global_zero:
             export_dir = Path(self.trainer.default_root_dir) / "export"
             export_aligner(self.aligner, self.kind, self.backbone_metadata(), export_dir,
-                           {"method": self.cfg.method.name, "global_step": self.trainer.global_step})
+                           {"method": self.cfg.method.name, "global_step": self.trainer.global_step,
+                            "rerank_k": self.cfg.method.rerank_k})
+
+    def benchmark_scorer(self, device: str, precision: str, batch_size: int) -> "AlignerScorer":
+        """What benchmarks score during training: the aligner (re-ranking as configured), not the frozen cosine."""
+        return AlignerScorer.from_module(self, device=device, precision=precision, batch_size=batch_size,
+                                         rerank_k=self.cfg.method.rerank_k)
 
     def backbone_metadata(self) -> dict:
         model = self.cfg.model
@@ -345,7 +354,7 @@ def load_backbone(export_dir: Path, backbone: dict):
         built = load_export(export_dir)
     else:
         built = build_model(backbone["model"], backbone["pretrained"], backbone.get("config_dir"))
-    if False:
+    if backbone_fingerprint(built.model) != backbone["weights_sha256"]:
         raise ValueError(f"the backbone loaded for {export_dir} ({backbone['model']}, {backbone['pretrained']}) "
                          f"is not the frozen CLIP the aligner was trained on")
     return built
@@ -430,9 +439,11 @@ class AlignerScorer(Scorer):
 
     @classmethod
     def from_export(cls, export_dir: Path, **kwargs) -> "AlignerScorer":
-        """A TFLocal / TFGlobal run's export (`runs/<experiment>/export`)."""
+        """A TFLocal / TFGlobal run's export (`runs/<experiment>/export`); `rerank_k` defaults to the run's
+        `method.rerank_k`."""
         aligner, metadata = load_aligner(export_dir)
         built = load_backbone(export_dir, metadata["backbone"])
+        kwargs.setdefault("rerank_k", metadata.get("rerank_k"))
         return cls(built.model, aligner, metadata["kind"], built.tokenizer, built.preprocess_val,
                    metadata={"model": built.name, "aligner": str(export_dir), "kind": metadata["kind"]}, **kwargs)
 

@@ -32,6 +32,8 @@ VARIANTS: Dict[str, List[str]] = {
     "negclip": ["method.hard_negatives=true", "data.num_hard_negatives=1"],
     **{f"cae_{name}": ["method.name=clip_cae", f"method.attribution.name={name}"]
        for name in ("attention", "gradcam", "perturbation", "gradient", "grad_eclip")},
+    "smartclip": ["method.name=smartclip"],
+    "smartclip_soft": ["method.name=smartclip", "method.hard_mask=false"],
 }
 REFERENCE = "clip_ft"
 NEGCLIP_TSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"

@@ -17,7 +17,7 @@ from datamodules.benchmarks.base import ImageRef, unique
 from datamodules.benchmarks.images import load_image
 from datamodules.benchmarks.standin.images import write_image
 from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
-from lightning_modules import evaluate
+from lightning_modules import evaluate, sgi
 from lightning_modules.encoders import BuiltModel, build_model
 from lightning_modules.evaluation import read_outcomes, run_benchmark
 from lightning_modules.export import export_model
@@ -156,6 +156,13 @@ def test_a_caption_without_segments_falls_back_to_the_global_cosine_and_is_count
     described = scorer.describe()
     assert described["sgi_fallback_captions"] == 1 and described["sgi_captions"] == len(CAPTIONS)
     assert scorer.score(refs[:1], [NO_SEGMENT, NO_SEGMENT]).shape == (1, 2)  # no segment in the whole call
+
+
+def test_blocked_similarities_equal_the_one_block_result(tiny, parser, refs, monkeypatch):
+    scorer = sgi_scorer(tiny, parser, grids="2")
+    whole = scorer.score(refs, CAPTIONS)
+    monkeypatch.setattr(sgi, "SIMILARITY_BLOCK", 1)  # one image per block
+    np.testing.assert_array_equal(scorer.score(refs, CAPTIONS), whole)
 
 
 def test_each_image_is_cropped_and_each_caption_parsed_and_embedded_once(tiny, parser, refs, monkeypatch):

@@ -300,7 +300,8 @@ def test_the_export_scores_a_benchmark_end_to_end_as_the_module_does(trained_run
     module = trainer.lightning_module.eval()
     write_sugarcrepe(tmp_path / "sugarcrepe", n_items=14)
     benchmark = build_benchmark("sugarcrepe", tmp_path / "sugarcrepe")
-    scorer = AlignerScorer.from_export(run_dir / "export")
+    assert AlignerScorer.from_export(run_dir / "export").rerank_k == 16  # the run's method.rerank_k
+    scorer = AlignerScorer.from_export(run_dir / "export", rerank_k=None)
     result = run_benchmark(benchmark, scorer)
     assert len(result.outcomes) == 14 and 0 <= result.aggregates["overall_micro"] <= 100
     item = benchmark.items()[0]
