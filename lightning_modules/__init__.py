@@ -7,11 +7,14 @@ from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.clip_cae import ClipCAE
 from lightning_modules.clip_ft import ClipFineTune
 from lightning_modules.smartclip import SmartCLIP
+from lightning_modules.tflocal import TFGlobal, TFLocal
 
 METHODS: Dict[str, Type[CompositionalCLIPModule]] = {
     "clip_ft": ClipFineTune,
     "clip_cae": ClipCAE,
     "smartclip": SmartCLIP,
+    "tflocal": TFLocal,
+    "tfglobal": TFGlobal,
 }
 
 

@@ -118,6 +118,9 @@ class BenchmarkEvaluation(L.Callback):
     def _evaluate(self, module: L.LightningModule) -> list:
         precision = "bf16" if module.device.type == "cuda" else "fp32"
         with eval_mode(module):
-            scorer = ClipScorer(module.clip, module.tokenizer, module.preprocess_val, device=str(module.device),
-                                precision=precision, batch_size=self.batch_size)
+            if hasattr(module, "benchmark_scorer"):  # a method that scores differently (the aligners)
+                scorer = module.benchmark_scorer(str(module.device), precision, self.batch_size)
+            else:
+                scorer = ClipScorer(module.clip, module.tokenizer, module.preprocess_val, device=str(module.device),
+                                    precision=precision, batch_size=self.batch_size)
             return run_all(self.benchmarks, scorer)

@@ -85,6 +85,9 @@ class MethodConfig:
     aligner_heads: int = 8
     aligner_loss: str = "infonce"
     rerank_k: int = 16
+    # null = every pair of the B x B grid; n = the diagonal plus each image's / text's n most similar in-batch
+    # partners by frozen cosine (B x (2n+1) pairs instead of B^2).
+    aligner_negatives: Optional[int] = None
 
 
 @dataclass

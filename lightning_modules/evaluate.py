@@ -30,6 +30,7 @@ from lightning_modules.evaluation import (AGGREGATES_FILE, available_benchmarks,
                                           log_to_tensorboard, markdown_tables, reaggregate, run_all, write_results)
 from lightning_modules.scorers import PRECISIONS, ClipScorer, Scorer
 from lightning_modules.sgi import SGIScorer
+from lightning_modules.tflocal import AlignerScorer, is_aligner_export
 
 log = logging.getLogger("lightning_modules.evaluate")
 
@@ -136,6 +137,9 @@ def build_scorer(args: argparse.Namespace) -> Scorer:
     scorer_class = SCORERS[args.scorer]
     kwargs = dict(device=args.device, precision=args.precision, batch_size=args.batch_size,
                   num_workers=args.num_workers, **scorer_options(args.scorer, args.scorer_option))
+    if args.run and args.scorer == DEFAULT_SCORER and is_aligner_export(args.run / "export"):
+        # a TFLocal / TFGlobal run: its aligner re-ranks the frozen CLIP (method.rerank_k of the run)
+        return AlignerScorer.from_export(args.run / "export", **kwargs)
     if args.run:
         return scorer_class.from_export(args.run / "export", **kwargs)
     if not args.model:

@@ -137,7 +137,11 @@ def build_module(cfg: DictConfig) -> CompositionalCLIPModule:
     return method_class(cfg.method.name)(cfg)
 
 
-def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> CocoDataModule:
+def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.LightningDataModule:
+    if cfg.data.features_cache and getattr(module, "reads_cached_features", False):
+        from datamodules.features import FeatureDataModule  # frozen-backbone methods read cached features
+
+        return FeatureDataModule.for_module(cfg, module)
     return CocoDataModule(cfg.data, module.tokenizer, module.preprocess_train, module.preprocess_val,
                           seed=cfg.seed, preprocess=cfg.preprocess,
                           image_config=module.clip.visual.preprocess_cfg, grid_size=module.encoders.grid_size[0])

@@ -34,6 +34,9 @@ VARIANTS: Dict[str, List[str]] = {
        for name in ("attention", "gradcam", "perturbation", "gradient", "grad_eclip")},
     "smartclip": ["method.name=smartclip"],
     "smartclip_soft": ["method.name=smartclip", "method.hard_mask=false"],
+    "tflocal": ["method.name=tflocal"],
+    "tflocal_hard4": ["method.name=tflocal", "method.aligner_negatives=4"],
+    "tfglobal": ["method.name=tfglobal"],
 }
 REFERENCE = "clip_ft"
 NEGCLIP_TSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
@@ -102,6 +105,10 @@ class Variant:
         self.module = method_class(cfg.method.name)(cfg).to(args.device).train()
         self.optimizer = torch.optim.AdamW(self.module.param_groups(), lr=1e-6)
         self.batch = make_batch(self.module, args.batch_size, args.device)
+        if getattr(self.module, "reads_cached_features", False):
+            # frozen-backbone methods train on cached features: encode once, outside the timed steps
+            with torch.no_grad():
+                self.batch = self.module.encode_batch(self.batch)
         self.device, self.bf16 = args.device, args.precision == "bf16"
         self.times: List[float] = []
         self.memory_bytes = 0

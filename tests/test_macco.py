@@ -404,7 +404,7 @@ def test_configs_hold_the_recipe():
 
 
 # ----- a fit on the shapes world and its export ----------------------------------------------------------
-def test_smoke_fit_with_masks_logs_the_report_and_exports_plain_open_clip(shapes_root, mask_cache,  # noqa: F811
+def test_smoke_fit_with_masks_logs_the_report_and_exports_plain_open_clip(shapes_root, mask_cache,
                                                                           tmp_path, monkeypatch):
     monkeypatch.setitem(METHODS, "macco", MaccoCLIP)
     cfg = tiny_config(shapes_root, tmp_path, "method.name=macco", "data.masks=true",
