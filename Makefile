@@ -30,8 +30,14 @@ demo: setup $(SHAPES)/annotations/swap_val.json
 	$(PY) -m lightning_modules.fit --config configs/demo/pretrain.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/clip_ft.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/cae.yaml
+	$(PY) -m lightning_modules.fit --config configs/demo/macco.yaml
+	$(PY) -m lightning_modules.fit --config configs/demo/smartclip.yaml
+	$(PY) -m datamodules.features --config configs/demo/tflocal.yaml
+	$(PY) -m lightning_modules.fit --config configs/demo/tflocal.yaml
 	$(PY) -m lightning_modules.demo --data $(SHAPES) --out runs/demo_results.json \
-		--run pretrained=runs/demo_pretrain --run clip_ft=runs/demo_clip_ft --run cae_attention=runs/demo_cae
+		--run pretrained=runs/demo_pretrain --run clip_ft=runs/demo_clip_ft --run cae_attention=runs/demo_cae \
+		--run macco=runs/demo_macco --run smartclip=runs/demo_smartclip --run tflocal=runs/demo_tflocal \
+		--run sgi_pretrained=runs/demo_pretrain@sgi
 
 test: setup
 	$(PY) -m pytest -m "$(PYTEST_MARK)"
@@ -42,4 +48,5 @@ perf: setup
 	$(PY) -m perf.loader --out runs/perf_loader.json
 
 clean-demo:
-	rm -rf runs/demo_pretrain runs/demo_clip_ft runs/demo_cae runs/demo_results.json cache
+	rm -rf runs/demo_pretrain runs/demo_clip_ft runs/demo_cae runs/demo_macco runs/demo_smartclip runs/demo_tflocal \
+		runs/demo_results.json cache

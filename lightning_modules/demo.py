@@ -19,9 +19,11 @@ from datamodules.benchmarks.retrieval import CocoRetrieval
 from datamodules.benchmarks.two_by_two import ShapesSwap
 from lightning_modules.attribution import AttributionOptions
 from lightning_modules.encoders import CLIPEncoders
+from lightning_modules.evaluate import SCORERS
 from lightning_modules.evaluation import run_benchmark
 from lightning_modules.monitor import image_embeddings, make_probe, probe_attribution, summarise
 from lightning_modules.scorers import ClipScorer
+from lightning_modules.tflocal import AlignerScorer, is_aligner_export
 from parsers.scene_graph import SceneGraphParser
 
 SWAP_TYPES = ("attribute", "relation", "object")
@@ -35,28 +37,41 @@ PROBE_SIZE = 200
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, type=Path, help="shapes world root")
-    parser.add_argument("--run", action="append", required=True, help="LABEL=RUN_DIR (repeatable)")
+    parser.add_argument("--run", action="append", required=True,
+                        help="LABEL=RUN_DIR or LABEL=RUN_DIR@SCORER (e.g. @sgi; repeatable). Aligner runs "
+                             "(TFLocal / TFGlobal) are scored by their aligner")
     parser.add_argument("--split", default="val")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     return parser.parse_args(argv)
 
 
-def parse_run(spec: str) -> Tuple[str, Path]:
-    label, sep, run_dir = spec.partition("=")
+def parse_run(spec: str) -> Tuple[str, Path, str]:
+    label, sep, target = spec.partition("=")
     if not sep:
-        raise SystemExit(f"--run expects LABEL=RUN_DIR, got {spec!r}")
-    return label, Path(run_dir)
+        raise SystemExit(f"--run expects LABEL=RUN_DIR[@SCORER], got {spec!r}")
+    run_dir, _, scorer = target.partition("@")
+    if scorer and scorer not in SCORERS:
+        raise SystemExit(f"--run {spec}: unknown scorer {scorer!r}; registered: {', '.join(SCORERS)}")
+    return label, Path(run_dir), scorer or "clip"
 
 
-def evaluate_export(export_dir: Path, data_root: Path, split: str = "val") -> Dict[str, float]:
-    """Swap-set scores, retrieval R@K and the attention attribution gap of one exported model."""
-    scorer = ClipScorer.from_export(export_dir)
+def build_scorer(export_dir: Path, scorer: str):
+    if scorer == "clip" and is_aligner_export(export_dir):
+        return AlignerScorer.from_export(export_dir)
+    return SCORERS[scorer].from_export(export_dir)
+
+
+def evaluate_export(export_dir: Path, data_root: Path, split: str = "val", scorer_name: str = "clip"
+                    ) -> Dict[str, float]:
+    """Swap-set scores, retrieval R@K and (for a CLIP scored by global cosine) the attention attribution gap."""
+    scorer = build_scorer(Path(export_dir), scorer_name)
     swap = ShapesSwap(data_root, split=split)
     captions_file = Path(data_root) / "annotations" / f"captions_{split}.json"
     retrieval = CocoRetrieval(data_root, annotation_file=captions_file, images=Path(data_root) / "images" / split)
-    gap = attribution_gap(scorer, captions_file, Path(data_root) / "images" / split)
-    return {**run_benchmark(swap, scorer).aggregates, **run_benchmark(retrieval, scorer).aggregates,
-            "attr_gap": gap}
+    result = {**run_benchmark(swap, scorer).aggregates, **run_benchmark(retrieval, scorer).aggregates}
+    if isinstance(scorer, ClipScorer):  # the gap is a property of the CLIP text tower, not of other scorers
+        result["attr_gap"] = attribution_gap(scorer, captions_file, Path(data_root) / "images" / split)
+    return result
 
 
 def attribution_gap(scorer: ClipScorer, captions_file: Path, image_dir: Path, method: str = "attention",
@@ -78,16 +93,20 @@ def attribution_gap(scorer: ClipScorer, captions_file: Path, image_dir: Path, me
 def markdown_table(results: Dict[str, Dict[str, float]]) -> str:
     header = "| model | " + " | ".join(title for _, title in COLUMNS) + " |"
     rule = "|---|" + "---:|" * len(COLUMNS)
-    rows = [f"| {label} | " + " | ".join(f"{scores.get(key, float('nan')):.1f}" for key, _ in COLUMNS) + " |"
+    rows = [f"| {label} | " + " | ".join(_cell(scores.get(key)) for key, _ in COLUMNS) + " |"
             for label, scores in results.items()]
     return "\n".join([header, rule, *rows])
+
+
+def _cell(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     results = {}
-    for label, run_dir in map(parse_run, args.run):
-        results[label] = evaluate_export(run_dir / "export", args.data, args.split)
+    for label, run_dir, scorer in map(parse_run, args.run):
+        results[label] = evaluate_export(run_dir / "export", args.data, args.split, scorer)
     print(f"\nShapes world ({args.split} split): swap scores and 2-way accuracy by swap type, retrieval R@1 (%), "
           f"attention attribution gap (mean A_comp - A_obj over {PROBE_SIZE} captions, x100)\n")
     print(markdown_table(results))

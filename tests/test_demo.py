@@ -1,6 +1,8 @@
 """The demo table: the harness scores an exported model on the shapes world (swap set and retrieval)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,3 +24,19 @@ def test_evaluate_export_end_to_end(tmp_path):
     assert any(result["i2t_r1"] == pytest.approx(100.0 * k / 6) for k in range(7))
     table = markdown_table({"random": result})
     assert table.count("\n") == 2 and "| random |" in table
+
+
+def test_a_row_scored_with_sgi_and_the_run_syntax(tmp_path):
+    from lightning_modules.demo import parse_run
+
+    assert parse_run("sgi=runs/x@sgi") == ("sgi", Path("runs/x"), "sgi")
+    assert parse_run("ft=runs/y") == ("ft", Path("runs/y"), "clip")
+    with pytest.raises(SystemExit, match="unknown scorer"):
+        parse_run("a=runs/z@nope")
+    generate(tmp_path / "shapes", n_train=4, n_val=4, image_size=64, seed=0, n_swap=4)
+    torch.manual_seed(0)
+    built = build_model("ViT-Tiny-16-64", None, "configs/models")
+    export_model(built.model, built.name, tmp_path / "export")
+    result = evaluate_export(tmp_path / "export", tmp_path / "shapes", scorer_name="sgi")
+    assert "group" in result and "i2t_r1" in result and "attr_gap" not in result  # the gap is CLIP's only
+    assert "| sgi | " in markdown_table({"sgi": result}) and " - |" in markdown_table({"sgi": result})
