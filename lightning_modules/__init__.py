@@ -6,12 +6,14 @@ from typing import Dict, Type
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.clip_cae import ClipCAE
 from lightning_modules.clip_ft import ClipFineTune
+from lightning_modules.macco import MaccoCLIP
 from lightning_modules.smartclip import SmartCLIP
 from lightning_modules.tflocal import TFGlobal, TFLocal
 
 METHODS: Dict[str, Type[CompositionalCLIPModule]] = {
     "clip_ft": ClipFineTune,
     "clip_cae": ClipCAE,
+    "macco": MaccoCLIP,
     "smartclip": SmartCLIP,
     "tflocal": TFLocal,
     "tfglobal": TFGlobal,

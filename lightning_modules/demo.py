@@ -67,7 +67,8 @@ def evaluate_export(export_dir: Path, data_root: Path, split: str = "val", score
     scorer = build_scorer(Path(export_dir), scorer_name)
     swap = ShapesSwap(data_root, split=split)
     captions_file = Path(data_root) / "annotations" / f"captions_{split}.json"
-    retrieval = CocoRetrieval(data_root, annotation_file=captions_file, images=Path(data_root) / "images" / split)
+    retrieval = CocoRetrieval(data_root, annotation_file=f"annotations/captions_{split}.json",
+                              images=Path(data_root) / "images" / split)
     result = {**run_benchmark(swap, scorer).aggregates, **run_benchmark(retrieval, scorer).aggregates}
     if isinstance(scorer, ClipScorer):  # the gap is a property of the CLIP text tower, not of other scorers
         result["attr_gap"] = attribution_gap(scorer, captions_file, Path(data_root) / "images" / split)

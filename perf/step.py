@@ -32,6 +32,7 @@ VARIANTS: Dict[str, List[str]] = {
     "negclip": ["method.hard_negatives=true", "data.num_hard_negatives=1"],
     **{f"cae_{name}": ["method.name=clip_cae", f"method.attribution.name={name}"]
        for name in ("attention", "gradcam", "perturbation", "gradient", "grad_eclip")},
+    "macco": ["method.name=macco"],
     "smartclip": ["method.name=smartclip"],
     "smartclip_soft": ["method.name=smartclip", "method.hard_mask=false"],
     "tflocal": ["method.name=tflocal"],
@@ -73,12 +74,16 @@ def make_batch(module, batch_size: int, device: str) -> dict:
     captions = real_captions(batch_size)
     generator = torch.Generator().manual_seed(0)
     obj_mask, comp_mask = token_masks(captions, module.tokenizer)
+    grid = module.encoders.grid_size
+    patches = grid[0] * grid[1]
     return {
         "image": torch.randn(batch_size, 3, size, size, generator=generator).to(device),
         "text": module.tokenizer(captions).to(device),
         "neg_text": module.tokenizer(list(reversed(captions))).unsqueeze(1).to(device),
         "obj_mask": obj_mask.to(device),
         "comp_mask": comp_mask.to(device),
+        # MACCO's image mask: a quarter of the patches per sample (a phrase's boxes cover about that on COCO)
+        "patch_mask": (torch.rand(batch_size, patches, generator=generator) < 0.25).to(device),
     }
 
 

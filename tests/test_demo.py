@@ -12,12 +12,13 @@ from lightning_modules.encoders import build_model
 from lightning_modules.export import export_model
 
 
-def test_evaluate_export_end_to_end(tmp_path):
+def test_evaluate_export_end_to_end(tmp_path, monkeypatch):
     generate(tmp_path / "shapes", n_train=4, n_val=6, image_size=64, seed=0, n_swap=6)
     torch.manual_seed(0)
     built = build_model("ViT-Tiny-16-64", None, "configs/models")
     export_model(built.model, built.name, tmp_path / "export")
-    result = evaluate_export(tmp_path / "export", tmp_path / "shapes")
+    monkeypatch.chdir(tmp_path)  # relative paths, as make demo passes them
+    result = evaluate_export(Path("export"), Path("shapes"))
     assert {key for key, _ in COLUMNS} <= set(result)
     assert result["images"] == 6  # retrieval over the 6 validation images
     assert -100.0 <= result["attr_gap"] <= 100.0

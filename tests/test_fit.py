@@ -33,7 +33,7 @@ def shapes_root(tmp_path_factory) -> Path:
 
 
 # Methods whose batches need the preprocessing cache's masks, with the tiny model's attribution settings.
-NEEDS_MASKS = {"clip_cae": ["method.attribution.eclip_layers=2"]}
+NEEDS_MASKS = {"clip_cae": ["method.attribution.eclip_layers=2"], "macco": []}
 
 
 @pytest.fixture(scope="session")
