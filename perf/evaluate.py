@@ -59,7 +59,7 @@ def write_standin(name: str, root: Path, items: int) -> dict:
     marker = root / name / f".standin-{items}.json"
     if not marker.is_file():
         options = STANDINS[name](root / name, n_items=items, seed=0)
-        marker.write_text(json.dumps({k: str(v) for k, v in options.items()}))
+        marker.write_text(json.dumps(options, default=str))  # paths as strings; mappings stay mappings
     return json.loads(marker.read_text())
 
 
