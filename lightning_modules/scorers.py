@@ -135,7 +135,9 @@ class EmbeddingScorer(Scorer):
         return (self.text_embeddings(first) * self.text_embeddings(second)).sum(dim=-1).numpy()
 
 
-class _ImageFiles(Dataset):
+class ImageFiles(Dataset):
+    """Decoded, preprocessed benchmark images for a DataLoader (workers decode in parallel)."""
+
     def __init__(self, refs: Sequence[ImageRef], preprocess: Callable):
         self.refs, self.preprocess = list(refs), preprocess
 
@@ -200,7 +202,7 @@ class ClipScorer(EmbeddingScorer):
 
     @torch.no_grad()
     def embed_images(self, refs: Sequence[ImageRef], progress: bool) -> Tensor:
-        loader = DataLoader(_ImageFiles(refs, self.preprocess), batch_size=self.batch_size,
+        loader = DataLoader(ImageFiles(refs, self.preprocess), batch_size=self.batch_size,
                             num_workers=self.num_workers)
         chunks = []
         for pixels in tqdm(loader, desc="images", unit="batch", disable=not progress):

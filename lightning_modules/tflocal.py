@@ -34,16 +34,15 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from datamodules.benchmarks.base import ImageRef, unique
-from datamodules.benchmarks.images import load_image
 from datamodules.features import (backbone_fingerprint, frozen_image_features, frozen_text_features,
                                   length_mask)
 from datamodules.files import atomic_write_bytes, atomic_write_text
 from lightning_modules.base import CompositionalCLIPModule, Terms
 from lightning_modules.encoders import CLIPEncoders, build_model
-from lightning_modules.scorers import PRECISIONS, EmbeddingTable, Scorer
+from lightning_modules.scorers import PRECISIONS, EmbeddingTable, ImageFiles, Scorer
 
 log = logging.getLogger(__name__)
 
@@ -384,17 +383,6 @@ def top_k_columns(scores: np.ndarray, k: int) -> np.ndarray:
     return chosen
 
 
-class _Images(Dataset):
-    def __init__(self, refs: Sequence[ImageRef], preprocess: Callable):
-        self.refs, self.preprocess = list(refs), preprocess
-
-    def __len__(self) -> int:
-        return len(self.refs)
-
-    def __getitem__(self, index: int) -> Tensor:
-        return self.preprocess(load_image(self.refs[index]))
-
-
 class AlignerScorer(Scorer):
     """A TFLocal / TFGlobal aligner as a benchmark scorer.
 
@@ -472,7 +460,7 @@ class AlignerScorer(Scorer):
     def _encode_images(self, refs: List[ImageRef]) -> None:
         if not refs:
             return
-        loader = DataLoader(_Images(refs, self.preprocess), batch_size=self.batch_size, num_workers=self.num_workers)
+        loader = DataLoader(ImageFiles(refs, self.preprocess), batch_size=self.batch_size, num_workers=self.num_workers)
         tokens, pooled = [], []
         for pixels in loader:
             with self._autocast():
