@@ -27,6 +27,8 @@ are cut. How many is not counted here, as the benchmark has no tokenizer.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import csv
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,8 +65,9 @@ class _SentencePairs(Benchmark):
         """Every pair of the chosen split, read from the official file(s)."""
         return self.read_pairs()
 
+    @abstractmethod
     def read_pairs(self) -> list[SentencePair]:
-        raise NotImplementedError
+        """The pairs of the chosen split, from the benchmark's own file format."""
 
     def outcomes(self, scorer: Scorer, progress: bool = False) -> list[Outcome]:
         pairs = self.pairs
