@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from datamodules.benchmarks.base import ImageRef, unique
+from datamodules.benchmarks.base import ImageRef, unique, unique_with_positions
 from datamodules.benchmarks.images import load_image
 
 log = logging.getLogger(__name__)
@@ -29,20 +29,42 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Scorer(ABC):
-    """Similarity of images and texts; larger means a better match."""
+    """Similarity of images and texts; larger means a better match.
+
+    Identical candidates get bit-identical scores, so that a tie is a tie and the benchmarks' strict `>` rule
+    scores it wrong: `score` and `score_groups` score each distinct image, text (and text group) once and index
+    the result. (Two identical columns of one matrix product can differ in the last bit on the CPU, which once
+    made identical VL-CheckList positives and negatives "correct".) Subclasses implement `score_unique` (and
+    may implement `score_unique_groups`), which are only ever called with distinct values.
+    """
 
     def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
         """Precompute whatever `score` will need for these images and texts (optional)."""
 
-    @abstractmethod
     def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
-        """Similarity matrix [len(images), len(texts)]."""
+        """Similarity matrix [len(images), len(texts)]; equal images (texts) give bit-identical rows (columns)."""
+        unique_images, rows = unique_with_positions(images)
+        unique_texts, columns = unique_with_positions(texts)
+        matrix = np.asarray(self.score_unique(unique_images, unique_texts))
+        return matrix.reshape(len(unique_images), len(unique_texts))[np.ix_(rows, columns)]
+
+    @abstractmethod
+    def score_unique(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
+        """Similarity matrix [len(images), len(texts)] of distinct images and distinct texts."""
 
     def score_groups(self, images: Sequence[ImageRef], text_groups: Sequence[Sequence[str]]) -> np.ndarray:
         """[len(images), len(groups)]: a group of texts (prompt templates of one class) as one column.
 
-        The default averages the group's similarities; embedding scorers average the embeddings instead.
+        Equal groups (a class list that repeats a name) give bit-identical columns.
         """
+        unique_images, rows = unique_with_positions(images)
+        unique_groups, columns = unique_with_positions(tuple(group) for group in text_groups)
+        matrix = np.asarray(self.score_unique_groups(unique_images, unique_groups))
+        return matrix.reshape(len(unique_images), len(unique_groups))[np.ix_(rows, columns)]
+
+    def score_unique_groups(self, images: Sequence[ImageRef], text_groups: Sequence[Sequence[str]]) -> np.ndarray:
+        """`score_groups` of distinct images and groups; the default averages a group's similarities
+        (embedding scorers average the embeddings instead)."""
         columns = [self.score(images, list(group)).mean(axis=1) for group in text_groups]
         return np.stack(columns, axis=1)
 
@@ -61,7 +83,7 @@ class FunctionScorer(Scorer):
     def __init__(self, similarity: Callable[[ImageRef, str], float]):
         self.similarity = similarity
 
-    def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
+    def score_unique(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
         return np.array([[self.similarity(image, text) for text in texts] for image in images], dtype=np.float64)
 
 
@@ -123,10 +145,10 @@ class EmbeddingScorer(Scorer):
         self._fill(self.texts, texts, self.embed_texts, False)
         return self.texts.lookup(texts)
 
-    def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
+    def score_unique(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
         return (self.image_embeddings(images) @ self.text_embeddings(texts).T).numpy()
 
-    def score_groups(self, images: Sequence[ImageRef], text_groups: Sequence[Sequence[str]]) -> np.ndarray:
+    def score_unique_groups(self, images: Sequence[ImageRef], text_groups: Sequence[Sequence[str]]) -> np.ndarray:
         """CLIP's prompt ensembling: the normalised mean of a group's normalised embeddings."""
         groups = torch.stack([self.text_embeddings(list(group)).mean(dim=0) for group in text_groups])
         return (self.image_embeddings(images) @ F.normalize(groups, dim=-1).T).numpy()

@@ -248,7 +248,7 @@ class SGIScorer(Scorer):
         return F.normalize(embeddings.float().cpu(), dim=-1)
 
     # --- scoring ---
-    def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
+    def score_unique(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
         if not len(images) or not len(texts):
             return np.zeros((len(images), len(texts)), dtype=np.float32)
         self.prepare(images, texts)  # only what is missing: a lookup when the benchmark prepared everything

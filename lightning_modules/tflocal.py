@@ -481,7 +481,7 @@ class AlignerScorer(Scorer):
             self.text_global.add(chunk, pooled.float())
 
     # ----- scoring ----------------------------------------------------------------------------------------------
-    def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
+    def score_unique(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
         images, texts = list(images), list(texts)
         self._encode_images(self.image_global.missing(images))
         self._encode_texts(self.text_global.missing(texts))
@@ -495,12 +495,12 @@ class AlignerScorer(Scorer):
         result[rows, columns] = squash(self.pair_values(images, texts, rows, columns))
         return result
 
-    def score_groups(self, images: Sequence[ImageRef], text_groups: Sequence[Sequence[str]]) -> np.ndarray:
+    def score_unique_groups(self, images: Sequence[ImageRef], text_groups: Sequence[Sequence[str]]) -> np.ndarray:
         """A group (a class's prompts) scores the mean aligner score over its texts; with `rerank_k`, only each
         image's k best groups by the frozen prompt-ensemble cosine are scored so (the rest: cosine - 3)."""
         images = list(images)
         if self.rerank_k is None:
-            return super().score_groups(images, text_groups)
+            return super().score_unique_groups(images, text_groups)
         self._encode_images(self.image_global.missing(images))
         self._encode_texts(self.text_global.missing([t for group in text_groups for t in group]))
         ensembles = torch.stack([F.normalize(self.text_global.lookup(list(g)), dim=-1).mean(0) for g in text_groups])

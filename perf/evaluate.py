@@ -49,7 +49,7 @@ class PerItemScorer(Scorer):
     def __init__(self, scorer: ClipScorer):
         self.scorer = scorer
 
-    def score(self, images, texts) -> np.ndarray:
+    def score_unique(self, images, texts) -> np.ndarray:
         image = F.normalize(self.scorer.embed_images(images, False), dim=-1)
         text = F.normalize(self.scorer.embed_texts(texts, False), dim=-1)
         return (image @ text.T).numpy()

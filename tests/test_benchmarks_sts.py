@@ -28,7 +28,7 @@ class PairScorer(Scorer):
     def prepare(self, images, texts, progress=False):
         self.prepared = (list(images), list(texts))
 
-    def score(self, images, texts):
+    def score_unique(self, images, texts):
         raise AssertionError("STS scores text pairs only")
 
     def text_similarity(self, first, second):

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from datamodules.benchmarks import BENCHMARKS, build_benchmark
+from datamodules.benchmarks import BENCHMARKS, Benchmark, build_benchmark
+from datamodules.benchmarks.base import ImageRef, coco_id_from_name
+from datamodules.benchmarks.standin.valse import write_valse
 from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
 from datamodules.benchmarks.sugarcrepe import SUBSETS
 from lightning_modules import evaluate, leakage
@@ -153,3 +155,64 @@ def test_leakage_guard_reports_the_overlap_and_writes_exclusions(data_root, tmp_
     assert leakage.main(["--train", str(clean), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
                          "--fail-on-overlap"])["sugarcrepe"]["overlap"] == 0
     assert "| sugarcrepe |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("000000391895.jpg", 391895),
+    ("val2017/000000391895.jpg", 391895),
+    ("/data/coco/train2014/COCO_train2014_000000000009.jpg", 9),
+    ("COCO_val2014_000000284024.jpg", 284024),
+    ("COCO_test2015_000000000001.jpg", 1),
+    ("VisualDialog_val2018_000000284024.jpg", None),  # VALSE coreference-hard: VisDial's own images
+    ("visdial_val2018/VisualDialog_val2018_000000284024.jpg", None),
+    ("flickr30k-images/1000092795.jpg", None),  # Flickr30k: 10 digits or fewer
+    ("000001000092795.jpg", None),  # 15 digits: not a 12-digit COCO name
+    ("VG_100K/2354786.jpg", None),  # Visual Genome
+    ("VG_100K_2/000000391895_2.jpg", None),
+    ("xCOCO_val2014_000000391895.jpg", None),
+    ("COCO_val2014_000000391895.png", None),
+    ("000000391895.jpg.txt", None),
+])
+def test_coco_ids_are_read_only_from_coco_file_names(name, expected):
+    assert coco_id_from_name(name) == expected
+
+
+class NamedImages(Benchmark):
+    """A benchmark that is only a list of image names (the leakage guard reads nothing else)."""
+
+    name = "named_images"
+
+    def __init__(self, names):
+        self.names = names
+        super().__init__(".")
+
+    def required_files(self):
+        return []
+
+    def image_refs(self):
+        return [ImageRef(name) for name in self.names]
+
+    def outcomes(self, scorer, progress=False):
+        return []
+
+    @staticmethod
+    def aggregate(outcomes):
+        return {}
+
+
+def test_leakage_guard_counts_no_coco_images_for_visdial_flickr_and_vg_names(tmp_path):
+    visdial = NamedImages([f"visdial/VisualDialog_val2018_{i:012d}.jpg" for i in (284024, 391895)]
+                          + ["flickr30k-images/1000092795.jpg", "VG_100K/2354786.jpg"])
+    coco = NamedImages(["val2017/000000391895.jpg"])
+    report = leakage.leakage_report({284024, 391895}, {"visdial": visdial, "coco": coco})
+    assert report["visdial"] == {"coco_images": 0, "overlap": 0, "overlap_percent": 0.0, "examples": []}
+    assert report["coco"]["overlap"] == 1 and report["coco"]["examples"] == [391895]
+
+
+def test_valse_coreference_hard_images_are_not_coco(tmp_path):
+    options = write_valse(tmp_path / "valse", n_items=4)
+    refs = build_benchmark("valse", tmp_path / "valse", **options).image_refs()
+    visdial = [ref for ref in refs if Path(ref.path).name.startswith("VisualDialog_")]
+    assert visdial and all(coco_id_from_name(ref.path) is None for ref in visdial)
+    coco_named = [ref for ref in refs if Path(ref.path).name.startswith("COCO_")]
+    assert coco_named and all(coco_id_from_name(ref.path) is not None for ref in coco_named)

@@ -1,6 +1,7 @@
 """Scorers: each unique image and text is encoded once; scores equal a direct computation; prompt ensembles."""
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from datamodules.benchmarks.base import ImageRef
 from datamodules.benchmarks.images import load_image
 from datamodules.benchmarks.standin.images import write_image
-from lightning_modules.scorers import ClipScorer, EmbeddingScorer, FunctionScorer
+from lightning_modules.scorers import ClipScorer, EmbeddingScorer, FunctionScorer, Scorer
 
 
 class CountingScorer(EmbeddingScorer):
@@ -107,3 +108,86 @@ def test_openai_weights_are_scored_with_quickgelu(monkeypatch):
 def test_unknown_precision_is_rejected():
     with pytest.raises(ValueError, match="precision"):
         ClipScorer(torch.nn.Linear(1, 1), None, None, precision="fp8")
+
+
+class RecordingScorer(Scorer):
+    """Scores from a function of (image, text); records what reaches `score_unique` / `score_unique_groups`."""
+
+    def __init__(self):
+        self.calls, self.group_calls = [], []
+
+    def score_unique(self, images, texts):
+        self.calls.append((list(images), list(texts)))
+        return np.array([[len(image.path) * 10.0 + len(text) for text in texts] for image in images])
+
+    def score_unique_groups(self, images, text_groups):
+        self.group_calls.append((list(images), [tuple(group) for group in text_groups]))
+        return super().score_unique_groups(images, text_groups)
+
+
+def test_duplicates_are_scored_once_and_indexed_back_in_order():
+    scorer = RecordingScorer()
+    a, b = ImageRef("a"), ImageRef("bb")
+    result = scorer.score([b, a, b], ["xyz", "x", "xyz", "xy"])
+    assert scorer.calls[0] == ([b, a], ["xyz", "x", "xy"])  # distinct values only, first-seen order
+    np.testing.assert_array_equal(result, [[23, 21, 23, 22], [13, 11, 13, 12], [23, 21, 23, 22]])
+    groups = scorer.score_groups([a, a], [["x", "xy"], ["xyz"], ["x", "xy"]])
+    assert scorer.group_calls == [([a], [("x", "xy"), ("xyz",)])]
+    np.testing.assert_array_equal(groups, [[11.5, 13, 11.5], [11.5, 13, 11.5]])
+    assert scorer.score([], ["x"]).shape == (0, 1)
+
+
+def random_refs(folder, count: int) -> list:
+    return [ImageRef(str(write_image(folder / f"{i}.png", seed=i))) for i in range(count)]
+
+
+def test_clip_scorer_gives_identical_candidates_bit_identical_scores(tmp_path):
+    """Identical texts (images) are ties, exactly: one distinct text per column of the matrix product."""
+    torch.manual_seed(0)
+    scorer = ClipScorer.from_pretrained("ViT-Tiny-16-64", None, batch_size=3)
+    refs = random_refs(tmp_path, 3)
+    texts = ["a red square", "a red square", "a blue circle", "a red square"]
+    images = [refs[0], refs[1], refs[0], refs[2]]
+    scorer.prepare(images, texts)
+    result = scorer.score(images, texts)
+    assert (result[:, 0] == result[:, 1]).all() and (result[:, 0] == result[:, 3]).all()
+    assert (result[0] == result[2]).all()
+    prompts = [["a photo of a {}.".format(name)] for name in ("cat", "dog", "cat")]  # a repeated class name
+    groups = scorer.score_groups(refs, prompts)
+    assert (groups[:, 0] == groups[:, 2]).all() and not (groups[:, 0] == groups[:, 1]).all()
+
+
+def test_identical_candidates_are_ties_and_wrong_through_real_benchmarks(tmp_path):
+    """SugarCrepe / VL-CheckList items whose negative equals the positive, and a COCO-Order item with a
+    perturbation equal to the caption, scored by the real CLIP scorer: ties, so never correct (strict `>`)."""
+    from dataclasses import replace
+
+    from datamodules.benchmarks.aro import COCOOrder
+    from datamodules.benchmarks.standin.aro import write_aro_coco_order
+    from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
+    from datamodules.benchmarks.standin.vlchecklist import write_vl_checklist
+    from datamodules.benchmarks.sugarcrepe import SugarCrepe
+    from datamodules.benchmarks.vlchecklist import VLCheckList
+
+    torch.manual_seed(0)
+    scorer = ClipScorer.from_pretrained("ViT-Tiny-16-64", None)
+    root = tmp_path / "sugarcrepe"
+    write_sugarcrepe(root, n_items=14)
+    for subset in ("replace_obj", "swap_att"):  # every negative made equal to its caption
+        path = root / f"{subset}.json"
+        entries = json.loads(path.read_text())
+        path.write_text(json.dumps({k: {**e, "negative_caption": e["caption"]} for k, e in entries.items()}))
+    outcomes = SugarCrepe(root).outcomes(scorer)
+    identical = [o for o in outcomes if o["subset"] in ("replace_obj", "swap_att")]
+    assert identical and not any(o["correct"] for o in identical)
+
+    checklist = VLCheckList(tmp_path / "vlc", **write_vl_checklist(tmp_path / "vlc", n_items=2))
+    for item in checklist.items()[:20]:
+        tie = checklist.outcome(item, scorer.score(item.images, [item.texts[0], item.texts[0]]))
+        assert tie["tie"] is True and tie["correct"] is False
+
+    order = COCOOrder(tmp_path / "aro", **write_aro_coco_order(tmp_path / "aro", n_items=6))
+    for item in order.items():
+        same = replace(item, texts=[item.texts[0]] * 2 + item.texts[2:])
+        similarity = scorer.score(same.images, same.texts)
+        assert similarity[0, 0] == similarity[0, 1] and order.outcome(same, similarity)["correct"] is False

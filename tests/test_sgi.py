@@ -238,3 +238,13 @@ def test_cli_rejects_unknown_scorers_and_options_naming_the_valid_ones(tiny_run,
         evaluate.main(argv + ["--scorer", "sgi", "--scorer-option", "grid=2"])
     with pytest.raises(SystemExit, match="clip has no option.*accepts: none"):
         evaluate.main(argv + ["--scorer-option", "grids=2"])
+
+
+def test_identical_candidates_get_bit_identical_sgi_scores(tiny, parser, refs):
+    scorer = sgi_scorer(tiny, parser, batch_size=8, global_weight=0.25)
+    texts = [CAPTIONS[0], CAPTIONS[3], CAPTIONS[0], NO_SEGMENT, CAPTIONS[3]]
+    images = [refs[1], refs[0], refs[1], refs[2]]
+    result = scorer.score(images, texts)
+    assert (result[:, 0] == result[:, 2]).all() and (result[:, 1] == result[:, 4]).all()
+    assert (result[0] == result[2]).all()
+    assert not (result[:, 0] == result[:, 1]).all()

@@ -393,3 +393,14 @@ def test_few_candidates_are_scored_directly_in_both_modes():
         scorer.prepare(GALLERY, TEXTS)
     np.testing.assert_allclose(direct.score(GALLERY[:1], TEXTS), ALIGNER[:1])
     np.testing.assert_allclose(reranking.score(GALLERY[:1], TEXTS), squash(ALIGNER[:1]))
+
+
+@pytest.mark.parametrize("rerank_k", [None, 2])
+def test_identical_candidates_get_bit_identical_aligner_scores(rerank_k):
+    scorer = TableScorer(rerank_k=rerank_k)
+    scorer.prepare(GALLERY, TEXTS)
+    texts = ["t1", "t0", "t1", "t4", "t0"]
+    result = scorer.score([GALLERY[0], GALLERY[3], GALLERY[0]], texts)
+    assert (result[:, 0] == result[:, 2]).all() and (result[:, 1] == result[:, 4]).all()
+    assert (result[0] == result[2]).all()
+    assert len(scorer.scored) == len(set(scorer.scored))  # each distinct pair reaches the aligner once

@@ -9,7 +9,11 @@ Two kinds of benchmark share one base:
 Every aggregate is computed from the stored per-item outcomes, so a results folder can be re-aggregated and
 audited. Every comparison is a strict `>`: a tie is wrong. (`np.argmax`, used by the ARO and What'sUp
 reference code, breaks ties toward the first option, which makes a tie right on COCO-Order, whose gold index
-is 0, and wrong on VG-Relation, whose gold index is 1. One rule for all avoids that.)
+is 0, and wrong on VG-Relation, whose gold index is 1. One rule for all avoids that.) A tie must also be a
+tie exactly: every scorer scores an item's distinct images and texts once and indexes the result
+(`Scorer.score`), so an item whose negative equals its positive (VL-CheckList has such items, ARO-Order
+perturbations can equal the caption) gets two bit-identical scores and is wrong, whatever the float rounding of
+a matrix product would have done to two identical columns.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -170,12 +174,26 @@ def unique(values: Iterable) -> list:
     return list(dict.fromkeys(values))
 
 
-_COCO_NAME = re.compile(r"(?:COCO_[a-z]+\d{4}_)?(\d{12})\.(?:jpg|jpeg|png)$", re.IGNORECASE)
+def unique_with_positions(values: Iterable) -> Tuple[list, np.ndarray]:
+    """The distinct values in first-seen order, and for each input value its position among them.
+
+    `[uniques[i] for i in positions]` gives the input back.
+    """
+    position: Dict[object, int] = {}
+    positions = [position.setdefault(value, len(position)) for value in values]
+    return list(position), np.asarray(positions, dtype=np.int64)
+
+
+# COCO's own file names, matched against the whole base name: `COCO_<split>_<12 digits>.jpg` (2014 release) or
+# `<12 digits>.jpg` (2017 release). Anchored on purpose: other datasets embed COCO-like digit runs in their names
+# (VisDial's `VisualDialog_val2018_000000284024.jpg` is not COCO image 284024), and reading those as COCO ids
+# would report overlap that is not there and exclude unrelated training images.
+_COCO_NAME = re.compile(r"(?:COCO_(?:train|val|test)\d{4}_)?(\d{12})\.jpg")
 
 
 def coco_id_from_name(path: str) -> Optional[int]:
-    """12-digit COCO ids from `000000391895.jpg` or `COCO_val2014_000000391895.jpg`; otherwise None."""
-    match = _COCO_NAME.search(str(path))
+    """The COCO id of a COCO-named image file (`000000391895.jpg`, `COCO_val2014_000000391895.jpg`), else None."""
+    match = _COCO_NAME.fullmatch(PurePath(str(path)).name)
     return int(match.group(1)) if match else None
 
 
