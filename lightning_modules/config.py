@@ -237,8 +237,11 @@ class ExperimentConfig:
     # Run directories are runs_root/<experiment>/ (stable, so a rerun or a SLURM requeue resumes).
     runs_root: str = "runs"
     seed: int = 0
-    # Rerunning the same command resumes from last.ckpt; false moves the old run directory aside.
+    # Rerunning the same command resumes from the run's newest intact checkpoint; false moves the old run
+    # directory aside. A rerun whose config differs outside lightning_modules.resume.RESUME_SAFE_KEYS is refused.
     resume: bool = True
+    # Resume from this checkpoint file instead of the newest one of the run directory.
+    resume_from: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     data: DataConfig = field(default_factory=DataConfig)

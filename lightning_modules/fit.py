@@ -1,22 +1,27 @@
 """`python -m lightning_modules.fit --config FILE [--config FILE2] [key=value ...]`: train one method.
 
 The run directory `runs_root/<experiment>/` is stable: running the same command again (or a SLURM requeue)
-resumes from `checkpoints/last.ckpt` and continues the same TensorBoard curves (fixed logger version).
+resumes from the run's newest intact checkpoint and continues the same TensorBoard curves (fixed logger
+version). A run directory is one experiment: a rerun with a changed config (outside the keys that are safe to
+change on resume) is refused before anything is written, and a start that fails before its first training step
+leaves no run directory behind.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from datamodules.coco import CocoDataModule
 from lightning_modules import method_class
@@ -25,7 +30,8 @@ from lightning_modules.callbacks import BenchmarkEvaluation, ExportCallback, Las
 from lightning_modules.config import load_config_or_exit, save_config
 from lightning_modules.evaluation import build_benchmarks, default_roots
 from lightning_modules.monitor import build_attribution_monitor
-from lightning_modules.resume import CHECKPOINT_DIR, LAST_CHECKPOINT, choose_resume_checkpoint
+from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, candidates, check_resume_config,
+                                     checked_checkpoint, checkpoint_step, choose_resume_checkpoint, ResumeConfigError)
 
 log = logging.getLogger("lightning_modules.fit")
 
@@ -65,11 +71,60 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
     return run_dir
 
 
+def stored_configs(cfg: DictConfig, run_dir: Path) -> List[tuple]:
+    """(where, config) pairs a resume must agree with: the run's config.yaml, and the config stored in the
+    `resume_from` checkpoint."""
+    stored = []
+    if (run_dir / "config.yaml").is_file():
+        stored.append((run_dir, OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))))
+    if cfg.resume_from:
+        checkpoint = torch.load(checked_checkpoint(Path(cfg.resume_from)), map_location="cpu",
+                                weights_only=False, mmap=True)
+        stored.append((Path(cfg.resume_from), checkpoint.get("hyper_parameters", {}).get("config", {})))
+    return stored
+
+
+def check_rerun(cfg: DictConfig) -> list:
+    """Refuse (`ResumeConfigError`) a resume whose config differs from what the run directory (or the named
+    checkpoint) ran with, outside the safe keys; return the safe changes."""
+    if not cfg.resume:
+        return []
+    new = OmegaConf.to_container(cfg, resolve=True)
+    return [change for where, stored in stored_configs(cfg, run_dir_of(cfg))
+            for change in check_resume_config(stored, new, where)]
+
+
+def record_resume(run_dir: Path, checkpoint: Optional[str], changes: list) -> None:
+    """Append what this start resumed from and which safe keys it changed to `resumes.jsonl` (rank 0)."""
+    if checkpoint is None or rank_zero_only.rank != 0:
+        return
+    entry = {"checkpoint": checkpoint, "step": checkpoint_step(Path(checkpoint)),
+             "changed": {key: {"stored": old, "now": new} for key, old, new in changes}}
+    with open(run_dir / "resumes.jsonl", "a", encoding="utf-8") as file:
+        file.write(json.dumps(entry, default=str) + "\n")
+
+
+@contextmanager
+def removed_if_start_fails(run_dir: Path, fresh: bool) -> Iterator[None]:
+    """A run directory this start creates (`fresh`: resume=false moves an old one aside) is removed again when
+    the start fails before any checkpoint exists (a missing data root, a bad option found while building): no
+    empty run for TensorBoard to list."""
+    created = fresh or not run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if created and rank_zero_only.rank == 0 and run_dir.exists() and not candidates(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            log.warning("the start failed: removed the run directory %s it had created", run_dir)
+        raise
+
+
 def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> Optional[str]:
-    """The newest intact checkpoint of this run directory when resuming (see resume.py), else None."""
+    """`resume_from`, or the newest intact checkpoint of this run directory (see resume.py); None when not
+    resuming or there is none."""
     if not cfg.resume:
         return None
-    chosen = choose_resume_checkpoint(run_dir)
+    chosen = checked_checkpoint(Path(cfg.resume_from)) if cfg.resume_from else choose_resume_checkpoint(run_dir)
     if chosen is not None:
         print(f"Resuming from {chosen}", flush=True)
     return str(chosen) if chosen is not None else None
@@ -149,19 +204,26 @@ def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.Ligh
 
 def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     """Train `cfg` in its run directory, resuming when possible; return the trainer."""
-    run_dir = prepare_run_dir(cfg)
-    L.seed_everything(cfg.seed, workers=True)
-    module = build_module(cfg)
-    datamodule = build_datamodule(cfg, module)
-    trainer = build_trainer(cfg, run_dir, extra_callbacks)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_checkpoint(cfg, run_dir))
+    changes = check_rerun(cfg)
+    with removed_if_start_fails(run_dir_of(cfg), fresh=not cfg.resume):
+        run_dir = prepare_run_dir(cfg)
+        L.seed_everything(cfg.seed, workers=True)
+        module = build_module(cfg)
+        datamodule = build_datamodule(cfg, module)
+        trainer = build_trainer(cfg, run_dir, extra_callbacks)
+        checkpoint = resume_checkpoint(cfg, run_dir)
+        record_resume(run_dir, checkpoint, changes)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
     return trainer
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    run(load_config_or_exit(args.config, args.overrides))
+    try:
+        run(load_config_or_exit(args.config, args.overrides))
+    except ResumeConfigError as err:
+        raise SystemExit(f"refused: {err}") from None
 
 
 if __name__ == "__main__":

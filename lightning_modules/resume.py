@@ -1,38 +1,66 @@
-"""Which checkpoint a rerun (or a SLURM requeue) resumes from, and what to do with a corrupted one.
+"""Which checkpoint a rerun (or a SLURM requeue) resumes from, and whether the rerun may resume at all.
 
-Candidates in a run directory, newest first by modification time:
+Candidates in a run directory, newest training step first (modification time breaks ties):
 - `hpc_ckpt_<n>.ckpt`: written by Lightning's SLURM plugin when SIGUSR1 arrives before preemption;
 - `checkpoints/last.ckpt`: written by `LastCheckpoint` (every N steps, epoch ends, the end of training);
-- `checkpoints/previous.ckpt`: the last.ckpt before it, kept by a rename before every save.
+- `checkpoints/previous.ckpt`: the last.ckpt before it, kept by a rename before every save;
+- `checkpoints/best-<step>.ckpt`: the best checkpoint by `checkpoint.monitor`.
+`resume_from=PATH` names the checkpoint instead.
 
 A checkpoint is a zip archive (torch.save); a truncated or damaged file fails the archive's own CRC check,
 which is cheap next to loading it. A damaged candidate is reported by name and the next one is used; when
 every candidate is damaged the run stops with an error naming them, instead of silently starting over.
+
+A run directory is one experiment: a rerun whose resolved config differs from the stored `config.yaml` in
+anything but `RESUME_SAFE_KEYS` is refused before anything is written (`config_changes`).
 """
 from __future__ import annotations
 
 import logging
 import zipfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 PREVIOUS_CHECKPOINT = "previous.ckpt"
+BEST_CHECKPOINTS = "best-*.ckpt"
+
+# Keys a resumed run may change without becoming a different experiment: how long it runs, what it logs and
+# evaluates, how it reports progress, where it resumes from. A key ending in "." is a prefix (a whole section).
+# Changing the length re-stretches the cosine schedule from the resume step on; the change is recorded in
+# `resumes.jsonl` of the run directory, so the record says what ran.
+RESUME_SAFE_KEYS = (
+    "trainer.max_steps", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.enable_progress_bar",
+    "trainer.num_sanity_val_steps", "checkpoint.every_n_steps", "evaluation.", "monitor.", "resume", "resume_from",
+    "runs_root",
+)
 
 
 class CorruptCheckpointError(RuntimeError):
     """Every resume candidate of a run directory is damaged."""
 
 
+class ResumeConfigError(ValueError):
+    """A rerun's config differs from the stored one in keys that make it a different experiment."""
+
+
 def candidates(run_dir: Path) -> List[Path]:
-    """Resume candidates that exist, newest first."""
-    found = list(Path(run_dir).glob("hpc_ckpt_*.ckpt"))
+    """Resume candidates that exist, in modification order, newest first (see `choose_resume_checkpoint`)."""
+    run_dir = Path(run_dir)
+    found = list(run_dir.glob("hpc_ckpt_*.ckpt")) + list((run_dir / CHECKPOINT_DIR).glob(BEST_CHECKPOINTS))
     found += [path for path in (run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, run_dir / CHECKPOINT_DIR /
                                 PREVIOUS_CHECKPOINT) if path.is_file()]
     return sorted(found, key=lambda path: path.stat().st_mtime, reverse=True)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The global step a checkpoint was written at (memory-mapped: the tensors are not read)."""
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("global_step", -1))
 
 
 def damage(path: Path) -> Optional[str]:
@@ -46,18 +74,71 @@ def damage(path: Path) -> Optional[str]:
 
 
 def choose_resume_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest intact candidate; None when there is none (a fresh start)."""
-    found = candidates(Path(run_dir))
-    damaged = []
-    for path in found:
+    """The intact candidate of the highest training step (the newest file among equals); None when there is no
+    candidate (a fresh start)."""
+    intact, damaged = [], []
+    for path in candidates(Path(run_dir)):
         reason = damage(path)
         if reason is None:
-            if damaged:
-                log.warning("resuming from %s instead of the damaged %s", path, ", ".join(damaged))
-                print(f"Checkpoint damaged, falling back: {', '.join(damaged)} -> {path}", flush=True)
-            return path
-        damaged.append(f"{path} ({reason})")
+            intact.append((checkpoint_step(path), path))
+        else:
+            damaged.append(f"{path} ({reason})")
+    if intact:
+        step, path = max(intact, key=lambda found: found[0])  # max keeps the first (newest) of equal steps
+        if damaged:
+            log.warning("resuming from %s instead of the damaged %s", path, ", ".join(damaged))
+            print(f"Checkpoint damaged, falling back: {', '.join(damaged)} -> {path} (step {step})", flush=True)
+        return path
     if damaged:
         raise CorruptCheckpointError(f"every checkpoint of {run_dir} is damaged: {'; '.join(damaged)}. Move them "
                                      f"aside to start over (resume=false moves the whole run directory aside)")
     return None
+
+
+def checked_checkpoint(path: Path) -> Path:
+    """`resume_from=PATH`: the named checkpoint, which must exist and be intact."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"resume_from={path}: no such checkpoint file")
+    reason = damage(path)
+    if reason is not None:
+        raise CorruptCheckpointError(f"resume_from={path} is damaged ({reason})")
+    return path
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists stay values."""
+    flat: Dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def is_resume_safe(key: str) -> bool:
+    return any(key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in RESUME_SAFE_KEYS)
+
+
+def config_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """Every `(key, stored value, new value)` that differs (a key missing on one side reads as `<absent>`)."""
+    before, after = flatten(stored), flatten(new)
+    absent = "<absent>"
+    return [(key, before.get(key, absent), after.get(key, absent)) for key in sorted(set(before) | set(after))
+            if before.get(key, absent) != after.get(key, absent)]
+
+
+def check_resume_config(stored: Mapping[str, Any], new: Mapping[str, Any], run_dir: Path) -> List[Tuple[str, Any, Any]]:
+    """The safe changes of a resume; a `ResumeConfigError` listing the others when there are any."""
+    changes = config_changes(stored, new)
+    unsafe = [change for change in changes if not is_resume_safe(change[0])]
+    if unsafe:
+        listed = "\n".join(f"  {key}: {old!r} (stored) -> {value!r} (now)" for key, old, value in unsafe)
+        raise ResumeConfigError(
+            f"{run_dir} holds a different experiment; these keys differ from its config.yaml:\n{listed}\n"
+            f"Nothing was written. Either start this config fresh with resume=false (the old run directory is "
+            f"moved aside, never deleted), or give it its own run directory with experiment=<new name>. Keys that "
+            f"may change on resume: {', '.join(RESUME_SAFE_KEYS)}")
+    return changes

@@ -1,4 +1,6 @@
-"""Fault tolerance: a damaged last.ckpt falls back to the previous one; SIGKILL mid-run resumes where it was."""
+"""Fault tolerance and run integrity: the highest intact checkpoint (last, previous, best, hpc) is resumed;
+`resume_from` names one; SIGKILL mid-run resumes where it was; a changed config is refused before anything is
+written; a failed start leaves no run directory."""
 from __future__ import annotations
 
 import json
@@ -10,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_modules.fit import run
-from lightning_modules.resume import CorruptCheckpointError, choose_resume_checkpoint, damage
+from lightning_modules.resume import CorruptCheckpointError, ResumeConfigError, choose_resume_checkpoint, damage
 from test_fit import REPO_ROOT, TINY, shapes_root, tiny_config  # noqa: F401 (fixture)
 
 
@@ -50,6 +53,10 @@ def test_every_checkpoint_damaged_is_an_error_naming_them(shapes_root, tmp_path)
     assert "last.ckpt" in str(error.value) and "previous.ckpt" in str(error.value)
 
 
+def cli_env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+
+
 def fit_command(shapes_root: Path, max_steps: int) -> list:
     return [sys.executable, "-m", "lightning_modules.fit", "--config",
             str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), f"model.name={TINY}",
@@ -79,3 +86,106 @@ def test_sigkill_mid_run_resumes_from_last_checkpoint_on_the_same_curves(shapes_
     events.Reload()
     steps = sorted({event.step for event in events.Scalars("train/loss")})
     assert steps[-1] == 39 and len(list((run_dir / "tb" / "version_0").glob("events.out.tfevents.*"))) == 2
+
+
+def fake_checkpoint(path: Path, step: int) -> Path:
+    """A real (zip) torch checkpoint holding only its step: what the chooser reads."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step}, path)
+    return path
+
+
+def test_the_highest_intact_step_wins_whatever_the_file_kind_or_age(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    best = fake_checkpoint(checkpoints / "best-5.ckpt", 5)
+    last = fake_checkpoint(checkpoints / "last.ckpt", 5)
+    fake_checkpoint(tmp_path / "hpc_ckpt_1.ckpt", 3)
+    fake_checkpoint(checkpoints / "previous.ckpt", 4)  # written last: the newest file, an older step
+    assert choose_resume_checkpoint(tmp_path) in (best, last)
+    truncate(last)
+    assert choose_resume_checkpoint(tmp_path) == best
+    truncate(best)
+    assert choose_resume_checkpoint(tmp_path) == checkpoints / "previous.ckpt"
+
+
+def test_an_intact_best_checkpoint_is_used_when_last_and_previous_are_damaged(shapes_root, tmp_path, capfd):
+    overrides = ("checkpoint.every_n_steps=2",)  # validation at the epoch end (step 4) writes best-4.ckpt
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=4", *overrides))
+    checkpoints = tmp_path / "demo_pretrain" / "checkpoints"
+    assert (checkpoints / "best-4.ckpt").is_file()
+    for name in ("last.ckpt", "previous.ckpt"):
+        truncate(checkpoints / name)
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=6", *overrides))
+    out = capfd.readouterr().out
+    assert "Checkpoint damaged, falling back" in out and f"Resuming from {checkpoints / 'best-4.ckpt'}" in out
+    assert json.loads((tmp_path / "demo_pretrain" / "export" / "model.json").read_text())["global_step"] == 6
+
+
+def test_resume_from_names_the_checkpoint_and_refuses_a_missing_or_damaged_one(shapes_root, tmp_path, capfd):
+    base = ("checkpoint.every_n_steps=1", "trainer.limit_val_batches=0")
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=3", *base))
+    previous = tmp_path / "demo_pretrain" / "checkpoints" / "previous.ckpt"
+    kept = tmp_path / "step2.ckpt"
+    kept.write_bytes(previous.read_bytes())
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=4", f"resume_from={kept}", *base))
+    assert f"Resuming from {kept}" in capfd.readouterr().out
+    resumes = [json.loads(line) for line in (tmp_path / "demo_pretrain" / "resumes.jsonl").read_text().splitlines()]
+    assert resumes[-1]["step"] == 2 and resumes[-1]["checkpoint"] == str(kept)
+    with pytest.raises(FileNotFoundError, match="resume_from"):
+        run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=5", f"resume_from={tmp_path / 'nope.ckpt'}", *base))
+    truncate(kept)
+    with pytest.raises(CorruptCheckpointError, match="resume_from"):
+        run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=5", f"resume_from={kept}", *base))
+
+
+def snapshot(run_dir: Path) -> dict:
+    """Every file of a run directory with its content hash and modification time."""
+    return {str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("changed, keys", [
+    (("optim.lr=0.05", "data.batch_size=16"), ["optim.lr", "data.batch_size"]),
+    (("method.name=smartclip",), ["method.name"]),
+])
+def test_a_changed_config_is_refused_before_anything_is_written(shapes_root, tmp_path, changed, keys):
+    base = ("trainer.limit_val_batches=0",)
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", *base))
+    run_dir = tmp_path / "demo_pretrain"
+    before = snapshot(run_dir)
+    with pytest.raises(ResumeConfigError) as error:
+        run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=3", *base, *changed))
+    message = str(error.value)
+    assert all(key in message for key in keys) and "trainer.max_steps" not in message.split("Keys that")[0]
+    assert "resume=false" in message and "experiment=" in message
+    assert snapshot(run_dir) == before  # config.yaml, checkpoints and event files untouched
+
+
+def test_safe_changes_resume_and_are_recorded(shapes_root, tmp_path):
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0"))
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=2", "trainer.limit_val_batches=0",
+                    "trainer.log_every_n_steps=5"))
+    run_dir = tmp_path / "demo_pretrain"
+    record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 1
+    assert record["changed"] == {"trainer.max_steps": {"stored": 1, "now": 2},
+                                 "trainer.log_every_n_steps": {"stored": 1, "now": 5}}
+    assert "max_steps: 2" in (run_dir / "config.yaml").read_text()
+
+
+def test_cli_refusal_names_the_keys_and_the_ways_out(shapes_root, tmp_path):
+    first = subprocess.run(fit_command(shapes_root, 1), cwd=tmp_path, env=cli_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    config = (tmp_path / "runs" / "demo_pretrain" / "config.yaml").read_text()
+    refused = subprocess.run(fit_command(shapes_root, 3) + ["optim.lr=0.05"], cwd=tmp_path, env=cli_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0
+    assert "optim.lr" in refused.stderr and "resume=false" in refused.stderr and "Traceback" not in refused.stderr
+    assert (tmp_path / "runs" / "demo_pretrain" / "config.yaml").read_text() == config
+
+
+def test_a_failed_start_leaves_no_run_directory(shapes_root, tmp_path):
+    with pytest.raises(Exception):
+        run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", f"data.root={tmp_path / 'no_such_data'}"))
+    assert not (tmp_path / "demo_pretrain").exists()
