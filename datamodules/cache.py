@@ -64,6 +64,13 @@ class ShardedCache:
     def meta_path(self, index: int) -> Path:
         return self.directory / f"shard-{index:05d}-of-{self.num_shards:05d}.json"
 
+    def create(self, settings: Dict[str, Any]) -> None:
+        """The directory and its settings.json. Jobs call this with their first finished shard (or to write the
+        manifest), not before the work: a job that fails first (a detector that cannot load) leaves no folder."""
+        if not (self.directory / "settings.json").is_file():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_json(self.directory / "settings.json", settings)
+
     def write_shard(self, index: int, records: List[dict], counts: Dict[str, int]) -> None:
         """Data first, then metadata carrying the data's checksum: the shard is done once both are in place."""
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -323,16 +323,70 @@ def seeded_torch_rng(seed: Optional[int]) -> Iterator[None]:
 
 
 class SeededDistributedSampler(DistributedSampler):
-    """A DistributedSampler that yields `(index, augmentation_seed)` pairs.
+    """A DistributedSampler that yields `(index, augmentation_seed)` pairs, and can start an epoch mid-way.
 
     The seed is a function of (sampler seed, epoch, index) only, so a sample's random crop is the same
     whatever the number of workers, and a run resumed from a checkpoint sees exactly the augmentations that
-    the uninterrupted run would have seen (worker RNG streams are not part of a checkpoint).
+    the uninterrupted run would have seen (worker RNG streams are not part of a checkpoint). `resume_at`
+    makes the next pass start after the samples an interrupted run already trained on in that epoch.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._skip_next = 0
+
+    def resume_at(self, epoch: int, samples_done: int) -> None:
+        """The next pass is epoch `epoch`, without its first `samples_done` samples of this rank."""
+        self.set_epoch(epoch)
+        self._skip_next = samples_done
+
     def __iter__(self) -> Iterator[Tuple[int, int]]:
-        for index in super().__iter__():
-            yield index, int(np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0])
+        skip, self._skip_next = self._skip_next, 0
+        for position, index in enumerate(super().__iter__()):
+            if position >= skip:
+                yield index, int(np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0])
+
+
+EpochPosition = Callable[[], Tuple[int, int]]
+
+
+class ResumableLoader(DataLoader):
+    """The training loader, whose position in its epoch is part of every checkpoint.
+
+    Lightning stores `state_dict()` of a training loader in each checkpoint (last, best, SLURM `hpc_ckpt`) and
+    calls `load_state_dict` before it iterates the loader again on resume. The position comes from the trainer
+    (`position()`: epoch and batches the training loop has processed in it), not from counting what the
+    iterator handed out, which runs ahead of training by the prefetched batches. On resume the sampler skips
+    exactly the batches already trained on, so a run stopped at any step and resumed sees the batches (and
+    augmentations) of the uninterrupted run.
+    """
+
+    def __init__(self, *args, position: Optional[EpochPosition] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.position = position
+
+    def state_dict(self) -> Dict[str, int]:
+        epoch, batches_done = self.position() if self.position is not None else (0, 0)
+        return {"epoch": int(epoch), "batches_done": int(batches_done)}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        epoch, batches_done = int(state["epoch"]), int(state["batches_done"])
+        if batches_done >= len(self):  # saved after the epoch's last batch: the next epoch starts afresh
+            epoch, batches_done = epoch + 1, 0
+        self.sampler.resume_at(epoch, batches_done * self.batch_size)
+
+
+def trainer_epoch_position(trainer: Any) -> EpochPosition:
+    """(epoch, batches processed in it) of a trainer's fit loop, read when a checkpoint is written.
+
+    The epoch is the last one started, not `trainer.current_epoch`: after a stop mid-epoch (max_steps, a
+    callback) Lightning counts the unfinished epoch as completed at `on_train_end`.
+    """
+    def position() -> Tuple[int, int]:
+        fit_loop = trainer.fit_loop
+        return max(0, fit_loop.epoch_progress.total.started - 1), fit_loop.epoch_loop.batch_progress.current.processed
+
+    return position
 
 
 def check_enough_samples(num_samples: int, batch_size: int, world_size: int) -> None:
@@ -344,20 +398,23 @@ def check_enough_samples(num_samples: int, batch_size: int, world_size: int) -> 
 
 
 def build_dataloader(dataset: Dataset, *, batch_size: int, num_workers: int, world_size: int, rank: int,
-                     train: bool, seed: int = 0) -> DataLoader:
+                     train: bool, seed: int = 0, position: Optional[EpochPosition] = None) -> DataLoader:
     """A loader over this rank's shard of `dataset`.
 
     Training: shuffled by (seed, epoch) via `sampler.set_epoch`, which Lightning calls every epoch, and
     `drop_last` in both sampler and loader so every rank runs the same number of equal-sized batches (the
-    distributed contrastive loss gathers them). Evaluation: in order, nothing dropped; DistributedSampler
-    pads the last shard by repeating a few samples so ranks stay in step.
+    distributed contrastive loss gathers them); a `ResumableLoader` whose epoch `position` is checkpointed.
+    Evaluation: in order, nothing dropped; DistributedSampler pads the last shard by repeating a few samples
+    so ranks stay in step.
     """
-    sampler_class = SeededDistributedSampler if train else DistributedSampler
-    sampler = sampler_class(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed,
-                            drop_last=train)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=train,
-                      num_workers=num_workers, persistent_workers=num_workers > 0,
-                      pin_memory=torch.cuda.is_available())
+    options = dict(batch_size=batch_size, drop_last=train, num_workers=num_workers,
+                   persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available())
+    if not train:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        return DataLoader(dataset, sampler=sampler, **options)
+    sampler = SeededDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                       drop_last=True)
+    return ResumableLoader(dataset, sampler=sampler, position=position, **options)
 
 
 class CocoDataModule(L.LightningDataModule):
@@ -404,7 +461,8 @@ class CocoDataModule(L.LightningDataModule):
         world_size, rank = self._world_size_and_rank()
         check_enough_samples(len(dataset), self.data.batch_size, world_size)
         return build_dataloader(dataset, batch_size=self.data.batch_size, num_workers=self.data.num_workers,
-                                world_size=world_size, rank=rank, train=True, seed=self.seed)
+                                world_size=world_size, rank=rank, train=True, seed=self.seed,
+                                position=trainer_epoch_position(self.trainer) if self.trainer else None)
 
     def val_dataloader(self) -> DataLoader:
         """In order, sharded over ranks, last batch kept."""

@@ -50,8 +50,9 @@ from tqdm import tqdm
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from datamodules.cache import CacheError, ShardedCache, cache_key, file_sha256, write_json
 from datamodules.coco import (IMAGE_ERRORS, build_dataloader, check_enough_samples, cycled_negative_rows,
-                              find_truncated, read_image_ids, tokenize_captions)
+                              find_truncated, read_image_ids, tokenize_captions, trainer_epoch_position)
 from datamodules.files import atomic_write_bytes
+from datamodules.inputs import InputError, check_feature_inputs
 
 log = logging.getLogger("datamodules.features")
 
@@ -279,8 +280,10 @@ class _ImageFiles(Dataset):
             return self.preprocess(Image.new("RGB", (8, 8))), False
 
 
-def encode_images(backbone: FrozenBackbone, paths: Sequence[str]) -> Tuple[Tensor, Tensor, Tensor]:
-    """(tokens float16 [N, 1 + P, D], global float32 [N, D], readable bool [N]) of image files."""
+def encode_images(backbone: FrozenBackbone, paths: Sequence[str], progress: Optional[tqdm] = None
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(tokens float16 [N, 1 + P, D], global float32 [N, D], readable bool [N]) of image files; `progress`
+    advances by each batch's images."""
     loader = DataLoader(_ImageFiles(paths, backbone.preprocess, backbone.on_bad_image),
                         batch_size=backbone.batch_size, num_workers=backbone.num_workers)
     tokens, globals_, readable = [], [], []
@@ -289,6 +292,8 @@ def encode_images(backbone: FrozenBackbone, paths: Sequence[str]) -> Tuple[Tenso
         tokens.append(image_tokens.to(TOKEN_DTYPE).cpu())
         globals_.append(image_global.float().cpu())
         readable.append(ok)
+        if progress is not None:
+            progress.update(len(ok))
     return torch.cat(tokens), torch.cat(globals_), torch.cat(readable)
 
 
@@ -323,10 +328,10 @@ def negative_captions(records: Sequence[CaptionRecord], num_negatives: int, sour
 
 
 def encode_shard(backbone: FrozenBackbone, records: Sequence[CaptionRecord], paths: Sequence[str],
-                 split: FeatureSplit) -> Tuple[Dict[str, Tensor], Dict[str, int]]:
-    """The tensors of one shard (see the module docstring) and its counts."""
+                 split: FeatureSplit, progress: Optional[tqdm] = None) -> Tuple[Dict[str, Tensor], Dict[str, int]]:
+    """The tensors of one shard (see the module docstring) and its counts; `progress` counts its images."""
     image_paths = list(dict.fromkeys(paths))
-    image_tokens, image_global, readable = encode_images(backbone, image_paths)
+    image_tokens, image_global, readable = encode_images(backbone, image_paths, progress)
     row_of = {path: row for row, path in enumerate(image_paths)}
     keep = [i for i, path in enumerate(paths) if bool(readable[row_of[path]])]
     records = [records[i] for i in keep]
@@ -368,15 +373,26 @@ def cache_split(cfg, split: FeatureSplit, backbone: FrozenBackbone, identity: Di
     num_shards = -(-len(records) // size)
     settings = split.settings(identity, cfg.data.on_bad_image, size)
     cache = FeatureShards(features_root(cfg.data) / cache_key(settings), num_shards)
-    cache.directory.mkdir(parents=True, exist_ok=True)
-    write_json(cache.directory / "settings.json", settings)
     todo = [i for i in my_shards(num_shards, shard) if not cache.is_done(i)]
     log.info("%s: %d captions (%d dropped: missing images / empty captions), %d shards, %d to do here, cache %s",
              split.split, len(records), dropped, num_shards, len(todo), cache.directory)
-    for index in tqdm(todo, desc=f"features {split.split}", unit="shard", mininterval=2.0):
-        chunk = slice(index * size, (index + 1) * size)
-        cache.write_shard(index, *encode_shard(backbone, records[chunk], paths[chunk], split))
+    # Per image, not per shard: a 5,000-caption shard is minutes of encoding. Images are the slow part (the
+    # texts of a shard take a fraction of its images' time); an image whose captions straddle two shards is
+    # encoded (and counted) in both.
+    total = sum(shard_image_count(paths, i, size) for i in todo)
+    with tqdm(total=total, desc=f"features {split.split}", unit="image", mininterval=2.0) as progress:
+        for index in todo:
+            chunk = slice(index * size, (index + 1) * size)
+            result = encode_shard(backbone, records[chunk], paths[chunk], split, progress)
+            cache.create(settings)  # with the first finished shard: a failed start leaves no folder
+            cache.write_shard(index, *result)
+    cache.create(settings)
     return cache.summarise(settings)
+
+
+def shard_image_count(paths: Sequence[str], index: int, size: int) -> int:
+    """Distinct images of shard `index` (its captions' image paths), as `encode_shard` encodes them."""
+    return len(set(paths[index * size:(index + 1) * size]))
 
 
 def build_frozen_backbone(cfg) -> Tuple[FrozenBackbone, Dict[str, Any]]:
@@ -400,7 +416,12 @@ def _device(device: str) -> str:
 
 
 def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
-    """Cache the features of every configured split; return the manifest of each."""
+    """Cache the features of every configured split; return the manifest of each.
+
+    Raises:
+        InputError: a missing input (checked before the backbone is built or anything is written).
+    """
+    check_feature_inputs(cfg)
     backbone, identity = build_frozen_backbone(cfg)
     return {split.split: cache_split(cfg, split, backbone, identity, shard) for split in feature_splits(cfg.data)}
 
@@ -425,7 +446,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    for split, manifest in run(load_config_or_exit(args.config, args.overrides), args.shard).items():
+    try:
+        manifests = run(load_config_or_exit(args.config, args.overrides), args.shard)
+    except InputError as err:
+        raise SystemExit(f"error: {err}") from None
+    for split, manifest in manifests.items():
         log.info("%s: %d of %d shards finished, %s", split, manifest["finished_shards"], manifest["num_shards"],
                  manifest["counts"])
 
@@ -536,7 +561,8 @@ class FeatureDataModule(L.LightningDataModule):
         check_enough_samples(len(self.train_dataset), self.cfg.data.batch_size, world_size)
         return build_dataloader(self.train_dataset, batch_size=self.cfg.data.batch_size,
                                 num_workers=self.cfg.data.num_workers, world_size=world_size, rank=rank, train=True,
-                                seed=self.cfg.seed)
+                                seed=self.cfg.seed,
+                                position=trainer_epoch_position(self.trainer) if self.trainer else None)
 
     def val_dataloader(self) -> DataLoader:
         if self.val_dataset is None:

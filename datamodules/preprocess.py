@@ -14,21 +14,26 @@ import argparse
 import json
 import logging
 import time
-from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
-from datamodules.cache import COUNT_KEYS, ShardedCache, cache_key, file_sha256, open_cache, write_json
-from parsers.grounding import GroundingRequest, build_grounder
-from parsers.scene_graph import SceneGraph, SceneGraphParser
+from datamodules.cache import COUNT_KEYS, ShardedCache, cache_key, file_sha256, open_cache
+from datamodules.inputs import InputError, check_preprocess_inputs
+from parsers.scene_graph import Phrase, SceneGraph, SceneGraphParser
+
+if TYPE_CHECKING:
+    from parsers.grounding import GroundingRequest
 
 log = logging.getLogger("datamodules.preprocess")
 
 SPLITS = ("train", "val")
+# Images per grounder call for grounders without a batch size: how often the progress bar moves.
+GROUNDING_CHUNK = 64
 
 
 @dataclass
@@ -79,7 +84,8 @@ def grounder_options(data, prep) -> Tuple[str, dict]:
             config_file=prep.groundingdino_config, checkpoint=prep.groundingdino_checkpoint,
             text_encoder=prep.text_encoder, box_threshold=prep.box_threshold,
             text_threshold=prep.text_threshold, image_size=prep.grounding_image_size,
-            batch_size=prep.grounding_batch_size, device=_device(prep.device))
+            batch_size=prep.grounding_batch_size, device=_device(prep.device),
+            allow_random_weights=prep.allow_random_detector)
     if prep.grounder == "annotations":
         instances = str(Path(data.root) / prep.instances) if prep.instances else None
         return "annotations", dict(instances_json=instances)
@@ -87,6 +93,9 @@ def grounder_options(data, prep) -> Tuple[str, dict]:
 
 
 def make_grounder(data, prep):
+    # parsers.grounding imports torch (seconds): imported once the inputs are checked, so a bad start is quick.
+    from parsers.grounding import build_grounder
+
     name, options = grounder_options(data, prep)
     return build_grounder(name, **options)
 
@@ -124,16 +133,58 @@ def gt_phrases_by_caption(scene_graphs: Optional[Path]) -> Dict[int, List[dict]]
             for caption in image["captions"]}
 
 
+RequestKey = Tuple[int, Optional[int]]
+
+
+def request_key(record: CaptionRecord, gt_phrases: Dict[int, List[dict]]) -> RequestKey:
+    """(image id, caption id) for a caption with ground-truth phrases, which has a request of its own:
+    its phrases are matched to them by character position, and positions hold within one caption only.
+    (image id, None) for the other captions, which share their image's request."""
+    return record.image_id, (record.caption_id if gt_phrases.get(record.caption_id) else None)
+
+
+def phrase_mentions(graph: SceneGraph, phrase: Phrase) -> List[Tuple[int, int]]:
+    """Character spans of the head nouns of the objects a phrase names (one, or a relation's two)."""
+    return [(graph.entities[e].head.start, graph.entities[e].head.end) for e in phrase.entities]
+
+
 def image_requests(records: Sequence[CaptionRecord], graphs: Sequence[SceneGraph], images: Path,
                    gt_phrases: Dict[int, List[dict]]) -> List[GroundingRequest]:
-    """One request per image, with the unique phrases of all its captions (each image is read once)."""
-    phrases, gt, path_of = defaultdict(dict), defaultdict(list), {}
+    """One request per image, with the unique phrases of its captions (each image is read once), except
+    that a caption with ground-truth phrases gets its own, with every phrase and the objects it names."""
+    from parsers.grounding import GroundingRequest
+
+    requests: Dict[RequestKey, GroundingRequest] = {}
     for record, graph in zip(records, graphs):
-        path_of[record.image_id] = _image_path(images, record.file_name)
-        phrases[record.image_id].update(dict.fromkeys(p.text for p in graph.phrases))
-        gt[record.image_id].extend(gt_phrases.get(record.caption_id, []))
-    return [GroundingRequest(image_path=path_of[image_id], phrases=list(phrases[image_id]), image_id=image_id,
-                             gt_phrases=gt[image_id] or None) for image_id in path_of]
+        key = request_key(record, gt_phrases)
+        if key[1] is not None:
+            requests[key] = GroundingRequest(
+                image_path=_image_path(images, record.file_name), phrases=[p.text for p in graph.phrases],
+                image_id=record.image_id, caption_id=record.caption_id, gt_phrases=gt_phrases[record.caption_id],
+                phrase_mentions=[phrase_mentions(graph, p) for p in graph.phrases])
+            continue
+        shared = requests.setdefault(key, GroundingRequest(_image_path(images, record.file_name), [], record.image_id))
+        shared.phrases.extend(p.text for p in graph.phrases if p.text not in shared.phrases)
+    return list(requests.values())
+
+
+def caption_rows(records: Sequence[CaptionRecord], graphs: Sequence[SceneGraph], requests: Sequence[GroundingRequest],
+                 boxes: Sequence[list], gt_phrases: Dict[int, List[dict]]) -> List[dict]:
+    """The cache record of every caption, with the boxes its request got for each of its phrases."""
+    by_key = {}
+    for request, per_phrase in zip(requests, boxes):
+        caption = request.caption_id if request.phrase_mentions is not None else None
+        by_key[(request.image_id, caption)] = (request, per_phrase)
+    rows = []
+    for record, graph in zip(records, graphs):
+        request, per_phrase = by_key[request_key(record, gt_phrases)]
+        if request.phrase_mentions is not None:   # the caption's own request: its phrases, in order
+            phrase_boxes = list(per_phrase)
+        else:
+            boxes_of = dict(zip(request.phrases, per_phrase))
+            phrase_boxes = [boxes_of.get(p.text, []) for p in graph.phrases]
+        rows.append(caption_record(record, graph, phrase_boxes))
+    return rows
 
 
 def _image_path(images: Path, file_name: str) -> str:
@@ -141,14 +192,15 @@ def _image_path(images: Path, file_name: str) -> str:
     return existing_path(candidates) or candidates[0]
 
 
-def caption_record(record: CaptionRecord, graph: SceneGraph, boxes_of: Dict[str, list]) -> dict:
-    """What the DataModule needs of one caption: spans for token masks, phrases with boxes."""
+def caption_record(record: CaptionRecord, graph: SceneGraph, phrase_boxes: Sequence[list]) -> dict:
+    """What the DataModule needs of one caption: spans for token masks, phrases with boxes (one list of
+    boxes per phrase of the graph, in order)."""
     return {
         "caption_id": record.caption_id, "image_id": record.image_id, "caption": record.caption,
         "obj_spans": [[s.start, s.end] for s in graph.object_spans()],
         "comp_spans": [[s.start, s.end] for s in graph.composition_spans()],
-        "phrases": [{"text": p.text, "kind": p.kind, "boxes": [list(b) for b in boxes_of.get(p.text, [])]}
-                    for p in graph.phrases],
+        "phrases": [{"text": p.text, "kind": p.kind, "boxes": [list(b) for b in boxes]}
+                    for p, boxes in zip(graph.phrases, phrase_boxes)],
         "graph": graph.to_dict(),
     }
 
@@ -165,17 +217,67 @@ def shard_counts(rows: List[dict], unreadable_images: int) -> Dict[str, int]:
     return counts
 
 
+@dataclass
+class SplitProgress:
+    """A split's two progress bars: captions parsed and images grounded (a shard takes minutes)."""
+
+    captions: Optional[tqdm] = None
+    images: Optional[tqdm] = None
+
+
+@contextmanager
+def split_progress(split: str, chunks: Sequence[Sequence[CaptionRecord]]) -> Iterator[SplitProgress]:
+    """The bars of the shards `chunks`: their captions, and their images (counted per shard, as grounded)."""
+    images = sum(len({record.image_id for record in chunk}) for chunk in chunks)
+    with tqdm(total=sum(map(len, chunks)), unit="caption", desc=f"parse {split}", mininterval=2.0) as captions:
+        with tqdm(total=images, unit="image", desc=f"ground {split}", mininterval=2.0) as grounded:
+            yield SplitProgress(captions, grounded)
+
+
+def _advance(bar: Optional[tqdm], count: int) -> None:
+    if bar is not None:
+        bar.update(count)
+
+
+def parse_captions(parser: SceneGraphParser, captions: Sequence[str], bar: Optional[tqdm] = None) -> List[SceneGraph]:
+    """`parser.parse` one parser batch at a time (the same batches it makes itself), advancing `bar`."""
+    graphs: List[SceneGraph] = []
+    for start in range(0, len(captions), parser.batch_size):
+        batch = list(captions[start:start + parser.batch_size])
+        graphs.extend(parser.parse(batch))
+        _advance(bar, len(batch))
+    return graphs
+
+
+def ground_requests(grounder, requests: Sequence[GroundingRequest], bar: Optional[tqdm] = None) -> list:
+    """`grounder.ground` in chunks of its own batch size, so the images of each forward pass are unchanged."""
+    step = getattr(grounder, "batch_size", None) or GROUNDING_CHUNK
+    boxes: list = []
+    for start in range(0, len(requests), step):
+        chunk = requests[start:start + step]
+        boxes.extend(grounder.ground(chunk))  # every grounder decodes each image and records the unreadable ones
+        _advance(bar, _images_finished(requests, start, start + len(chunk)))
+    return boxes
+
+
+def _images_finished(requests: Sequence[GroundingRequest], start: int, stop: int) -> int:
+    """Images whose last request is among requests[start:stop]: an image's requests are consecutive, and a
+    caption with ground-truth phrases has one of its own (see `image_requests`)."""
+    last = len(requests) - 1
+    return sum(1 for j in range(start, stop) if j == last or requests[j + 1].image_id != requests[j].image_id)
+
+
 def process_shard(records: Sequence[CaptionRecord], parser: SceneGraphParser, grounder, source: SplitSource,
-                  gt_phrases: Dict[int, List[dict]]) -> Tuple[List[dict], Dict[str, int]]:
-    graphs = parser.parse([record.caption for record in records])
+                  gt_phrases: Dict[int, List[dict]], progress: Optional[SplitProgress] = None
+                  ) -> Tuple[List[dict], Dict[str, int]]:
+    progress = progress or SplitProgress()
+    graphs = parse_captions(parser, [record.caption for record in records], progress.captions)
     requests = image_requests(records, graphs, source.images, gt_phrases)
     unreadable_before = len(grounder.unreadable_images)
-    boxes = grounder.ground(requests)  # every grounder decodes each image and records the unreadable ones
+    boxes = ground_requests(grounder, requests, progress.images)
     unreadable = grounder.unreadable_images[unreadable_before:]
-    boxes_by_image = {req.image_id: dict(zip(req.phrases, per_phrase)) for req, per_phrase in zip(requests, boxes)}
-    rows = [caption_record(record, graph, boxes_by_image[record.image_id])
-            for record, graph in zip(records, graphs)]
-    return rows, shard_counts(rows, len(unreadable))
+    rows = caption_rows(records, graphs, requests, boxes, gt_phrases)
+    return rows, shard_counts(rows, len(set(unreadable)))  # an image with several requests is counted once
 
 
 # ----- one split --------------------------------------------------------------------------------------
@@ -194,18 +296,17 @@ def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounde
     num_shards = max(1, -(-len(records) // size))
     settings = cache_settings(source, parser, grounder)
     cache = ShardedCache(cache_directory(cfg.preprocess.cache_root, settings), num_shards)
-    cache.directory.mkdir(parents=True, exist_ok=True)
-    write_json(cache.directory / "settings.json", settings)
     todo = [i for i in my_shards(num_shards, shard) if not cache.is_done(i)]
     log.info("%s: %d captions, %d shards, %d to do here, cache %s", source.split, len(records), num_shards,
              len(todo), cache.directory)
     gt_phrases = gt_phrases_by_caption(source.scene_graphs) if todo else {}
-    with tqdm(total=sum(len(records[i * size:(i + 1) * size]) for i in todo), unit="caption",
-              desc=f"preprocess {source.split}", mininterval=2.0) as progress:
-        for index in todo:
-            chunk = records[index * size:(index + 1) * size]
-            cache.write_shard(index, *process_shard(chunk, parser, grounder, source, gt_phrases))
-            progress.update(len(chunk))
+    chunks = {index: records[index * size:(index + 1) * size] for index in todo}
+    with split_progress(source.split, list(chunks.values())) as progress:
+        for index, chunk in chunks.items():
+            result = process_shard(chunk, parser, grounder, source, gt_phrases, progress)
+            cache.create(settings)  # with the first finished shard: a failed start leaves no folder
+            cache.write_shard(index, *result)
+    cache.create(settings)
     return cache.summarise(settings)
 
 
@@ -225,7 +326,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
-    """Preprocess every configured split; return the manifest of each."""
+    """Preprocess every configured split; return the manifest of each.
+
+    Raises:
+        InputError: a missing input or a refused option (before anything is built or written).
+    """
+    check_preprocess_inputs(cfg)
     parser = build_parser(cfg.preprocess)
     grounder = make_grounder(cfg.data, cfg.preprocess)
     manifests = {}
@@ -242,7 +348,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    run(load_config_or_exit(args.config, args.overrides), args.shard)
+    cfg = load_config_or_exit(args.config, args.overrides)
+    try:
+        run(cfg, args.shard)
+    except InputError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

@@ -1,27 +1,55 @@
-"""Training methods for compositional CLIP, selected by `method.name` through `METHODS`."""
+"""Training methods for compositional CLIP, selected by `method.name` through `METHODS`.
+
+`METHODS` is built on first access (PEP 562): the method modules import Lightning and open_clip (about 10 s),
+and the light parts of this package (`lightning_modules.config`) are imported by CLIs that must validate
+their inputs and fail within a second or two, before any of that.
+"""
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import TYPE_CHECKING, Dict, Type
 
-from lightning_modules.base import CompositionalCLIPModule
-from lightning_modules.clip_cae import ClipCAE
-from lightning_modules.clip_ft import ClipFineTune
-from lightning_modules.macco import MaccoCLIP
-from lightning_modules.smartclip import SmartCLIP
-from lightning_modules.tflocal import TFGlobal, TFLocal
-
-METHODS: Dict[str, Type[CompositionalCLIPModule]] = {
-    "clip_ft": ClipFineTune,
-    "clip_cae": ClipCAE,
-    "macco": MaccoCLIP,
-    "smartclip": SmartCLIP,
-    "tflocal": TFLocal,
-    "tfglobal": TFGlobal,
-}
+if TYPE_CHECKING:
+    from lightning_modules.base import CompositionalCLIPModule
 
 
-def method_class(name: str) -> Type[CompositionalCLIPModule]:
+def _registry() -> Dict[str, Type["CompositionalCLIPModule"]]:
+    from lightning_modules.clip_cae import ClipCAE
+    from lightning_modules.clip_ft import ClipFineTune
+    from lightning_modules.macco import MaccoCLIP
+    from lightning_modules.smartclip import SmartCLIP
+    from lightning_modules.tflocal import TFGlobal, TFLocal
+
+    return {
+        "clip_ft": ClipFineTune,
+        "clip_cae": ClipCAE,
+        "macco": MaccoCLIP,
+        "smartclip": SmartCLIP,
+        "tflocal": TFLocal,
+        "tfglobal": TFGlobal,
+    }
+
+
+def _methods() -> Dict[str, Type["CompositionalCLIPModule"]]:
+    """The registry, built once; then an ordinary module attribute (tests may patch its entries)."""
+    if "METHODS" not in globals():
+        globals()["METHODS"] = _registry()
+    return globals()["METHODS"]
+
+
+def __getattr__(name: str):
+    """`METHODS` and `CompositionalCLIPModule`, imported on first use."""
+    if name == "METHODS":
+        return _methods()
+    if name == "CompositionalCLIPModule":
+        from lightning_modules.base import CompositionalCLIPModule
+
+        return CompositionalCLIPModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def method_class(name: str) -> Type["CompositionalCLIPModule"]:
     """The module class registered as `name`; an unknown name lists the valid ones."""
-    if name not in METHODS:
-        raise KeyError(f"unknown method {name!r}; registered methods: {', '.join(sorted(METHODS))}")
-    return METHODS[name]
+    methods = _methods()
+    if name not in methods:
+        raise KeyError(f"unknown method {name!r}; registered methods: {', '.join(sorted(methods))}")
+    return methods[name]

@@ -60,6 +60,7 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         self.tokenizer = built.tokenizer
         self.preprocess_train, self.preprocess_val = built.preprocess_train, built.preprocess_val
         self.encoders = CLIPEncoders(built.model)
+        self._lr_logged_step = -1  # the optimizer step whose learning rates were logged last
 
     @property
     def clip(self) -> nn.Module:
@@ -90,8 +91,11 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
     def _log_scalars(self, stage: str, scalars: Terms, batch: dict) -> None:
         on_step = stage == "train"
         values = {f"{stage}/{name}": value.detach().float() for name, value in scalars.items()}
-        self.log_dict(values, on_step=on_step, on_epoch=not on_step, sync_dist=True,
-                      batch_size=len(batch["text"]))
+        options = dict(on_step=on_step, on_epoch=not on_step, sync_dist=True, batch_size=len(batch["text"]))
+        # The objective is what a researcher watches: it also goes to the progress bar (train/loss per step,
+        # val/loss after each validation); the other terms go to TensorBoard only.
+        self.log(f"{stage}/loss", values.pop(f"{stage}/loss"), prog_bar=True, **options)
+        self.log_dict(values, **options)
 
     @staticmethod
     def _data_counts(batch: dict) -> Terms:
@@ -156,6 +160,21 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
             self.clip.logit_scale.clamp_(0, math.log(self.cfg.optim.max_logit_scale))
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
-        if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
-            for group in self.trainer.optimizers[0].param_groups:
-                self.log(f"lr/{group['name']}", group["lr"], batch_size=len(batch["text"]))
+        self._log_learning_rates()
+
+    def _log_learning_rates(self) -> None:
+        """`lr/<group>` every `log_every_n_steps` optimizer steps (0, n, 2n, ...), at the step they apply to.
+
+        Written straight to the loggers: `self.log` values are flushed on Lightning's own schedule (batch index
+        + 1 divisible by n), which would file them n - 1 steps late, drop them at epoch boundaries and never
+        write step 0. The scheduler steps after each optimizer step, so before a step's first micro-batch the
+        groups hold the lr of optimizer step `global_step`; the later micro-batches of gradient accumulation
+        share that step and are skipped.
+        """
+        step, every = self.global_step, self.trainer.log_every_n_steps
+        if not every or step % every or step == self._lr_logged_step or not self.trainer.is_global_zero:
+            return
+        self._lr_logged_step = step
+        rates = {f"lr/{group['name']}": group["lr"] for group in self.trainer.optimizers[0].param_groups}
+        for logger in self.loggers:
+            logger.log_metrics(rates, step=step)

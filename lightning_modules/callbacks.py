@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import lightning as L
 from torch import nn
@@ -52,6 +55,61 @@ class LastCheckpoint(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._save(trainer)
+
+
+class SamplesPerSecond(L.Callback):
+    """Training throughput, `train/samples_per_s` (all ranks together), in the progress bar and TensorBoard.
+
+    An interval is the wall time between two consecutive training batch ends, so it covers data loading,
+    forward, backward and the optimizer: a starving DataLoader shows up here. Validation is left out (the
+    clock restarts after it); a benchmark evaluation or checkpoint save inside a batch end is a pause the
+    median over the last `window` intervals ignores. With gradient accumulation a micro-batch is a batch.
+    """
+
+    def __init__(self, window: int = 20):
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        self.window = window
+        self._intervals: deque = deque(maxlen=window)
+        self._last_end: Optional[float] = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch: dict,
+                           batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self._intervals.append(now - self._last_end)
+        self._last_end = now
+        if not self._intervals:
+            return  # the first batch has no interval yet
+        samples = len(batch["text"]) * trainer.world_size  # every rank loads a batch of the same size
+        module.log("train/samples_per_s", samples / statistics.median(self._intervals), prog_bar=True,
+                   on_step=True, on_epoch=False, batch_size=len(batch["text"]))
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._last_end = time.perf_counter() if self._last_end is not None else None
+
+
+class MidEpochStopState(L.Callback):
+    """Checkpoints written after a stop in the middle of an epoch resume in that epoch.
+
+    When training stops before an epoch's last batch (max_steps, `should_stop`), Lightning marks the epoch
+    completed before `on_train_end`, so a checkpoint written then would resume at the *next* epoch, with the
+    rest of this one never seen. The loop state of such a checkpoint is rewritten to what a checkpoint taken
+    after the same batch inside the epoch holds (the epoch started, not processed), which Lightning resumes
+    mid-epoch, and the training loader's saved position (`ResumableLoader`) skips the batches already seen.
+    """
+
+    def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict) -> None:
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        if not 0 < batches < trainer.num_training_batches:
+            return
+        progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+        if progress["total"]["processed"] != progress["total"]["started"]:
+            return  # saved inside the epoch: already the mid-epoch state
+        for counts in (progress["total"], progress["current"]):
+            counts["processed"] -= 1
+            counts["completed"] = counts["processed"]
+        checkpoint["epoch"] = progress["total"]["completed"]
 
 
 class ExportCallback(L.Callback):

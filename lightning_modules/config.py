@@ -139,7 +139,10 @@ class PreprocessConfig:
     # Key of parsers.grounding.GROUNDERS: groundingdino | annotations | none.
     grounder: str = "none"
     groundingdino_config: Optional[str] = None  # null = the SwinT OGC config shipped with groundingdino-py
+    # Required with grounder groundingdino: without it the detector has random weights and every box is noise.
     groundingdino_checkpoint: Optional[str] = None
+    # Tests and speed measurements only: accept groundingdino without a checkpoint (seeded random weights).
+    allow_random_detector: bool = False
     text_encoder: str = "bert-base-uncased"  # a hub name, or a local directory offline
     box_threshold: float = 0.35
     text_threshold: float = 0.25

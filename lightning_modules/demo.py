@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -103,11 +104,31 @@ def _cell(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def check_inputs(data: Path, runs: Sequence[Tuple[str, Path, str]]) -> None:
+    """Every row's export and the shapes world exist: found before the first row's minutes of scoring."""
+    missing = [f"--data {data}: no directory"] if not Path(data).is_dir() else []
+    missing += [f"--run {label}={run_dir}: no export at {run_dir / 'export'} (train it with lightning_modules.fit)"
+                for label, run_dir, _ in runs if not (run_dir / "export").is_dir()]
+    if missing:
+        raise SystemExit("the demo table cannot start:\n  - " + "\n  - ".join(missing))
+
+
+def score_rows(runs: Sequence[Tuple[str, Path, str]], data: Path, split: str) -> Dict[str, Dict[str, float]]:
+    """Each row's scores, with a line as each row starts and finishes (a row takes up to minutes on a CPU)."""
+    results = {}
+    for number, (label, run_dir, scorer) in enumerate(runs, start=1):
+        print(f"[{number}/{len(runs)}] {label}: scoring {run_dir / 'export'} ({scorer}) ...", flush=True)
+        start = time.perf_counter()
+        results[label] = evaluate_export(run_dir / "export", data, split, scorer)
+        print(f"[{number}/{len(runs)}] {label}: done in {time.perf_counter() - start:.0f} s", flush=True)
+    return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    results = {}
-    for label, run_dir, scorer in map(parse_run, args.run):
-        results[label] = evaluate_export(run_dir / "export", args.data, args.split, scorer)
+    runs = [parse_run(spec) for spec in args.run]
+    check_inputs(args.data, runs)
+    results = score_rows(runs, args.data, args.split)
     print(f"\nShapes world ({args.split} split): swap scores and 2-way accuracy by swap type, retrieval R@1 (%), "
           f"attention attribution gap (mean A_comp - A_obj over {PROBE_SIZE} captions, x100)\n")
     print(markdown_table(results))

@@ -13,7 +13,9 @@ passes a constructor option (image folders, splits). `--scorer` picks how a mode
 (`clip`: global cosine, the default; `sgi`: structure-guided inference), `--scorer-option KEY=VALUE` sets one
 of its options. Results go to `--out` (default `<run>/eval`, or `eval/<model>-<pretrained>`, with `-<scorer>`
 appended for a scorer other than clip): per-item `<name>/outcomes.jsonl`, `aggregates.json`, `results.md`,
-`results.csv`.
+`results.csv`. When a run holds every part of a registered combined aggregate (`datamodules.benchmarks.COMBINED`,
+e.g. What'sUp's Table 1 means: `whatsup_ab` = mean of whatsup_a and whatsup_b), its numbers are written beside
+the benchmarks' own, and `--reaggregate` prints them too.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from typing import Dict, List, Optional, Sequence, Type
 import yaml
 
 from datamodules.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
-from lightning_modules.evaluation import (AGGREGATES_FILE, available_benchmarks, build_benchmarks, default_roots,
-                                          log_to_tensorboard, markdown_tables, reaggregate, run_all, write_results)
+from lightning_modules.evaluation import (AGGREGATES_FILE, available_benchmarks, build_benchmarks,
+                                          combined_aggregates, default_roots, log_to_tensorboard, markdown_tables,
+                                          reaggregate, run_all, write_results)
 from lightning_modules.scorers import PRECISIONS, ClipScorer, Scorer
 from lightning_modules.sgi import SGIScorer
 from lightning_modules.tflocal import AlignerScorer, is_aligner_export
@@ -188,6 +191,13 @@ def select_benchmarks(args: argparse.Namespace):
         raise SystemExit(f"missing benchmark data:\n{err}") from None
 
 
+def print_reaggregated(folder: Path) -> None:
+    """Each benchmark's aggregates recomputed from its stored outcomes, then the combined aggregates of those."""
+    aggregates = reaggregate(folder)
+    for name, values in {**aggregates, **combined_aggregates(aggregates)}.items():
+        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()})
+
+
 def main(argv: Optional[Sequence[str]] = None) -> List:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -195,8 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List:
         print(list_benchmarks())
         return []
     if args.reaggregate:
-        for name, aggregates in reaggregate(args.reaggregate).items():
-            print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in aggregates.items()})
+        print_reaggregated(args.reaggregate)
         return []
     benchmarks = select_benchmarks(args)
     scorer = build_scorer(args)

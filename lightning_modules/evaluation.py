@@ -2,7 +2,9 @@
 
 A results folder holds, per benchmark, `<name>/outcomes.jsonl` (one JSON object per item) and, for the run,
 `aggregates.json` (every aggregate plus what produced it), `results.md` and `results.csv`. The aggregates
-are a pure function of the outcomes: `reaggregate(folder)` recomputes them from the JSONL files.
+are a pure function of the outcomes: `reaggregate(folder)` recomputes them from the JSONL files. Beside the
+benchmarks' own aggregates, the tables carry the registered cross-benchmark aggregates (`COMBINED`, e.g.
+What'sUp's A + B mean) whose parts are all in the run; they are a function of the parts' aggregates.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
-from datamodules.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData, build_benchmark
+from datamodules.benchmarks import BENCHMARKS, COMBINED, Benchmark, MissingBenchmarkData, build_benchmark
 from datamodules.benchmarks.base import Outcome
 from datamodules.benchmarks.images import missing_files
 from datamodules.files import atomic_write_text
@@ -91,10 +93,28 @@ def write_results(out_dir: Path, results: Sequence[BenchmarkResult], metadata: M
         atomic_write_text(out_dir / result.name / OUTCOMES_FILE, lines)
     document = {"metadata": dict(metadata),
                 "benchmarks": {r.name: {"aggregates": r.aggregates, "items": len(r.outcomes),
-                                        "seconds": round(r.seconds, 3)} for r in results}}
+                                        "seconds": round(r.seconds, 3)} for r in results},
+                "combined": {name: {"aggregates": aggregates, "parts": list(COMBINED[name].parts)}
+                             for name, aggregates in results_combined(results).items()}}
     atomic_write_text(out_dir / AGGREGATES_FILE, json.dumps(_finite(document), indent=2, sort_keys=True))
     atomic_write_text(out_dir / "results.md", markdown_tables(results, metadata))
     atomic_write_text(out_dir / "results.csv", csv_table(results))
+
+
+def combined_aggregates(aggregates: Mapping[str, Mapping[str, object]]) -> Dict[str, Dict[str, float]]:
+    """Every registered cross-benchmark aggregate whose parts are all among `aggregates` (benchmark -> values)."""
+    return {name: combined.compute(aggregates) for name, combined in COMBINED.items()
+            if combined.applies_to(aggregates)}
+
+
+def results_combined(results: Iterable[BenchmarkResult]) -> Dict[str, Dict[str, float]]:
+    """The combined aggregates of a run's results."""
+    return combined_aggregates({result.name: result.aggregates for result in results})
+
+
+def named_aggregates(results: Sequence[BenchmarkResult]) -> Dict[str, Mapping[str, object]]:
+    """Each benchmark's aggregates, then each applicable combined aggregate's, by name (names never collide)."""
+    return {**{result.name: result.aggregates for result in results}, **results_combined(results)}
 
 
 def _finite(value):
@@ -113,29 +133,44 @@ def _fmt(value: object) -> str:
 
 
 def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, object]) -> str:
-    """A headline table (one row per benchmark) and a full table per benchmark."""
+    """A headline table (one row per benchmark, then one per combined aggregate) and a full table for each."""
+    combined = results_combined(results)
+    items = {result.name: len(result.outcomes) for result in results}
     lines = ["# Evaluation results", "", ", ".join(f"{k}: {v}" for k, v in metadata.items()), "",
              "| benchmark | items | headline |", "|---|---:|---|"]
     for result in results:
-        headline = BENCHMARKS[result.name].headline or tuple(result.aggregates)
-        shown = ", ".join(f"{key} {_fmt(result.aggregates.get(key, float('nan')))}" for key in headline)
-        lines.append(f"| {result.name} | {len(result.outcomes)} | {shown} |")
+        lines.append(_headline_row(result.name, items[result.name], BENCHMARKS[result.name].headline,
+                                   result.aggregates))
+    for name, aggregates in combined.items():
+        parts = COMBINED[name].parts
+        lines.append(_headline_row(f"{name} = mean({', '.join(parts)})", sum(items[part] for part in parts),
+                                   COMBINED[name].headline, aggregates))
     for result in results:
-        lines += ["", f"## {result.name}", "", BENCHMARKS[result.name].description, "",
-                  "| metric | value |", "|---|---:|"]
-        lines += [f"| {key} | {_fmt(value)} |" for key, value in result.aggregates.items()]
+        lines += _full_table(result.name, BENCHMARKS[result.name].description, result.aggregates)
+    for name, aggregates in combined.items():
+        lines += _full_table(name, COMBINED[name].description, aggregates)
     return "\n".join(lines) + "\n"
 
 
+def _headline_row(name: str, items: int, headline: Sequence[str], aggregates: Mapping[str, object]) -> str:
+    shown = ", ".join(f"{key} {_fmt(aggregates.get(key, float('nan')))}" for key in headline or tuple(aggregates))
+    return f"| {name} | {items} | {shown} |"
+
+
+def _full_table(name: str, description: str, aggregates: Mapping[str, object]) -> List[str]:
+    return (["", f"## {name}", "", description, "", "| metric | value |", "|---|---:|"]
+            + [f"| {key} | {_fmt(value)} |" for key, value in aggregates.items()])
+
+
 def csv_table(results: Sequence[BenchmarkResult]) -> str:
-    """Long format: benchmark, metric, value (empty for an undefined value)."""
+    """Long format: benchmark (or combined aggregate), metric, value (empty for an undefined value)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["benchmark", "metric", "value"])
-    for result in results:
-        for key, value in result.aggregates.items():
+    for name, aggregates in named_aggregates(results).items():
+        for key, value in aggregates.items():
             finite = not isinstance(value, float) or math.isfinite(value)
-            writer.writerow([result.name, key, value if finite else ""])
+            writer.writerow([name, key, value if finite else ""])
     return buffer.getvalue()
 
 
@@ -151,8 +186,9 @@ def reaggregate(out_dir: Path) -> Dict[str, Dict[str, float]]:
 
 
 def flat_scalars(results: Iterable[BenchmarkResult], prefix: str = "eval") -> Dict[str, float]:
-    """`eval/<benchmark>/<metric>` -> value, finite numbers only (for loggers)."""
-    return {f"{prefix}/{r.name}/{key}": float(value) for r in results for key, value in r.aggregates.items()
+    """`eval/<benchmark or combined aggregate>/<metric>` -> value, finite numbers only (for loggers)."""
+    return {f"{prefix}/{name}/{key}": float(value) for name, aggregates in named_aggregates(list(results)).items()
+            for key, value in aggregates.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
 
 

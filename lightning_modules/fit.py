@@ -24,9 +24,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from datamodules.coco import CocoDataModule
+from datamodules.inputs import InputError, check_data_inputs
 from lightning_modules import method_class
 from lightning_modules.base import CompositionalCLIPModule
-from lightning_modules.callbacks import BenchmarkEvaluation, ExportCallback, LastCheckpoint
+from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
+                                        SamplesPerSecond)
 from lightning_modules.config import load_config_or_exit, save_config
 from lightning_modules.evaluation import build_benchmarks, default_roots
 from lightning_modules.monitor import build_attribution_monitor
@@ -144,7 +146,9 @@ def has_validation(cfg: DictConfig) -> bool:
 def build_callbacks(cfg: DictConfig, run_dir: Path) -> List[L.Callback]:
     callbacks: List[L.Callback] = [
         LastCheckpoint(run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, cfg.checkpoint.every_n_steps),
+        MidEpochStopState(),
         ExportCallback(run_dir / "export"),
+        SamplesPerSecond(),
     ]
     if cfg.checkpoint.monitor and has_validation(cfg):
         callbacks.append(ModelCheckpoint(
@@ -202,8 +206,16 @@ def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.Ligh
                           image_config=module.clip.visual.preprocess_cfg, grid_size=module.encoders.grid_size[0])
 
 
+def check_inputs(cfg: DictConfig) -> None:
+    """The data this run reads exists (`InputError` naming every missing input) before anything is built."""
+    reads_features = bool(cfg.data.features_cache) and getattr(method_class(cfg.method.name),
+                                                               "reads_cached_features", False)
+    check_data_inputs(cfg, need_images=not reads_features)
+
+
 def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     """Train `cfg` in its run directory, resuming when possible; return the trainer."""
+    check_inputs(cfg)
     changes = check_rerun(cfg)
     with removed_if_start_fails(run_dir_of(cfg), fresh=not cfg.resume):
         run_dir = prepare_run_dir(cfg)
@@ -224,6 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run(load_config_or_exit(args.config, args.overrides))
     except ResumeConfigError as err:
         raise SystemExit(f"refused: {err}") from None
+    except InputError as err:
+        raise SystemExit(str(err)) from None
 
 
 if __name__ == "__main__":

@@ -205,19 +205,23 @@ class SGIScorer(Scorer):
 
     # --- precomputation ---
     def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
-        self._parse(texts)
+        self._parse(texts, progress)
         self._encode_crops([ref for ref in unique(images) if ref not in self.layouts], progress)
         segments = [segment for text in unique(texts) for segment in self.segments[text]]
         self.clip.prepare([], unique(list(texts) + segments), progress)
 
-    def _parse(self, texts: Sequence[str]) -> None:
+    def _parse(self, texts: Sequence[str], progress: bool = False) -> None:
         todo = [text for text in unique(texts) if text not in self.segments]
         if not todo:
             return
-        for text, graph in zip(todo, self.parser.parse(todo)):
-            self.segments[text] = caption_segments(graph)
-            if not self.segments[text]:
-                self.fallback_captions.add(text)
+        # In the parser's own batches (~1,000 captions/s: a retrieval set's 25k captions take half a minute).
+        step = self.parser.batch_size
+        for start in tqdm(range(0, len(todo), step), desc="parse captions", unit="batch", disable=not progress):
+            batch = todo[start:start + step]
+            for text, graph in zip(batch, self.parser.parse(batch)):
+                self.segments[text] = caption_segments(graph)
+                if not self.segments[text]:
+                    self.fallback_captions.add(text)
         log.info("SGI: %d of %d captions so far have no scene-graph segment and are scored by the global cosine",
                  len(self.fallback_captions), len(self.segments))
 

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from datamodules.benchmarks.base import ImageRef, unique
 from datamodules.features import (backbone_fingerprint, frozen_image_features, frozen_text_features,
@@ -423,6 +424,7 @@ class AlignerScorer(Scorer):
         self.text_tokens: Dict[str, Tensor] = {}
         self.pair_scores: Dict[Tuple[Hashable, str], float] = {}
         self.gallery: Optional[List[ImageRef]] = None
+        self.progress = False  # set by `prepare`: whether the caller wants progress bars
         self._gallery_top: Dict[str, np.ndarray] = {}  # text -> its k best gallery positions
 
     @classmethod
@@ -447,8 +449,10 @@ class AlignerScorer(Scorer):
 
     # ----- encoding (once per unique image / text) -----------------------------------------------------------
     def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
-        self._encode_images(self.image_global.missing(images))
-        self._encode_texts(self.text_global.missing(texts))
+        # The benchmark's choice also holds for the aligner scoring of the `score` calls that follow.
+        self.progress = progress
+        self._encode_images(self.image_global.missing(images), progress)
+        self._encode_texts(self.text_global.missing(texts), progress)
         if images:  # a new gallery for the image side of re-ranking (STS prepares texts only)
             self.gallery, self._gallery_top = unique(images), {}
 
@@ -457,12 +461,12 @@ class AlignerScorer(Scorer):
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
     @torch.no_grad()
-    def _encode_images(self, refs: List[ImageRef]) -> None:
+    def _encode_images(self, refs: List[ImageRef], progress: bool = False) -> None:
         if not refs:
             return
         loader = DataLoader(ImageFiles(refs, self.preprocess), batch_size=self.batch_size, num_workers=self.num_workers)
         tokens, pooled = [], []
-        for pixels in loader:
+        for pixels in tqdm(loader, desc="images", unit="batch", disable=not progress):
             with self._autocast():
                 image_tokens, image_global = frozen_image_features(self.encoders, pixels.to(self.device))
             tokens.append(image_tokens.float())
@@ -471,8 +475,10 @@ class AlignerScorer(Scorer):
         self.image_global.add(refs, torch.cat(pooled))
 
     @torch.no_grad()
-    def _encode_texts(self, texts: List[str]) -> None:
-        for start in range(0, len(texts), self.batch_size):
+    def _encode_texts(self, texts: List[str], progress: bool = False) -> None:
+        if not texts:
+            return
+        for start in tqdm(range(0, len(texts), self.batch_size), desc="texts", unit="batch", disable=not progress):
             chunk = texts[start:start + self.batch_size]
             with self._autocast():
                 tokens, lengths, pooled = frozen_text_features(self.encoders, self.tokenizer(chunk).to(self.device))
@@ -562,7 +568,10 @@ class AlignerScorer(Scorer):
         """Aligner scores (float64) of the pairs (images[rows[n]], texts[columns[n]]), each computed once."""
         keys = [(images[r], texts[c]) for r, c in zip(rows.tolist(), columns.tolist())]
         todo = unique(key for key in keys if key not in self.pair_scores)
-        for start in range(0, len(todo), self.pair_batch):
+        starts = range(0, len(todo), self.pair_batch)
+        # A bar only for calls of several aligner batches (a retrieval chunk), not for each small benchmark item.
+        for start in tqdm(starts, desc="aligner pairs", unit="batch", leave=False,
+                          disable=not self.progress or len(starts) < 2):
             chunk = todo[start:start + self.pair_batch]
             self.pair_scores.update(zip(chunk, self._aligner_scores(chunk).tolist()))
         return np.array([self.pair_scores[key] for key in keys], dtype=np.float64)

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from parsers.grounding_inputs import default_groundingdino_config, groundingdino_input_problems
+
 log = logging.getLogger(__name__)
 
 Box = Tuple[float, float, float, float, float]  # x0, y0, x1, y1 in original image pixels, score
@@ -56,7 +58,11 @@ class GroundingRequest:
         image_id: dataset image id (the `annotations` grounder looks up COCO instances with it).
         caption_id: dataset caption id (bookkeeping only).
         gt_phrases: ground-truth phrases `[{"text": str, "boxes": [[x0, y0, x1, y1], ...]}]` for the
-            `annotations` grounder.
+            `annotations` grounder; with `"char_span": [start, end]` (the shapes world) they can be matched by
+            position, see `phrase_mentions`.
+        phrase_mentions: per phrase, the character spans of the objects it names (their head nouns), in the
+            one caption that `gt_phrases` annotate: the `annotations` grounder then grounds each named object
+            in the tightest gt phrase around it instead of matching words (see `mention_boxes`).
     """
 
     image_path: str
@@ -64,6 +70,7 @@ class GroundingRequest:
     image_id: int = 0
     caption_id: int = 0
     gt_phrases: Optional[List[dict]] = None
+    phrase_mentions: Optional[List[List[Tuple[int, int]]]] = None
 
 
 class Grounder(Protocol):
@@ -142,15 +149,8 @@ def groundingdino_image_tensor(image: Image.Image, image_size: int, max_size: in
 
 
 # ----- GroundingDINO -----------------------------------------------------------------------------------
-def default_groundingdino_config() -> str:
-    """The SwinT OGC config file shipped inside the groundingdino package (found without importing it)."""
-    from importlib.util import find_spec
-
-    spec = find_spec("groundingdino")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("groundingdino-py is not installed")
-    package_dir = next(iter(spec.submodule_search_locations))
-    return str(Path(package_dir) / "config" / "GroundingDINO_SwinT_OGC.py")
+class GrounderInputError(ValueError):
+    """A grounder asked for with inputs it cannot use (a missing file, no checkpoint); lists every problem."""
 
 
 def phrase_prompt(phrase: str) -> str:
@@ -239,8 +239,9 @@ class GroundingDinoGrounder(ImageReader):
     pass (GroundingDINO pads them to a common size and masks the padding).
 
     Args:
-        checkpoint: path of a GroundingDINO checkpoint (e.g. `groundingdino_swint_ogc.pth`). None builds
-            random weights (seeded) and is meant for tests only.
+        checkpoint: path of a GroundingDINO checkpoint (e.g. `groundingdino_swint_ogc.pth`). None (random,
+            seeded weights: meaningless boxes) is refused unless `allow_random_weights`.
+        allow_random_weights: accept `checkpoint=None`; for tests and speed measurements only.
         config_file: GroundingDINO config; default the SwinT OGC config shipped inside the package.
         text_encoder: hub name or local directory of the BERT text encoder (tokenizer + config; with a
             checkpoint its BERT weights are overwritten by the checkpoint's).
@@ -255,9 +256,14 @@ class GroundingDinoGrounder(ImageReader):
     def __init__(self, *, checkpoint: Optional[str], config_file: Optional[str] = None,
                  text_encoder: str = "bert-base-uncased", box_threshold: float = 0.35,
                  text_threshold: float = 0.25, image_size: int = 800, max_size: Optional[int] = None,
-                 device: str = "cpu", batch_size: int = 4):
+                 device: str = "cpu", batch_size: int = 4, allow_random_weights: bool = False):
         if image_size < MIN_IMAGE_SIZE:
             raise ValueError(f"image_size {image_size} < {MIN_IMAGE_SIZE}: too few encoder tokens for 900 queries")
+        # Checked here, not when the model is first used: that is after the first shard's parsing, and a
+        # wrong path must not cost a model build (or a hub download that hangs offline) to find.
+        problems = groundingdino_input_problems(config_file, checkpoint, text_encoder, allow_random_weights)
+        if problems:
+            raise GrounderInputError("GroundingDINO cannot be built:\n  - " + "\n  - ".join(problems))
         super().__init__()
         self.checkpoint = checkpoint
         self.config_file = config_file or default_groundingdino_config()
@@ -385,6 +391,33 @@ def best_gt_boxes(phrase: str, gt_phrases: Sequence[dict], min_overlap: float) -
     return [_xyxy_with_score(box) for box in gt_phrases[best]["boxes"]]
 
 
+def _tightest_gt_phrase(mention: Tuple[int, int], gt_phrases: Sequence[dict]) -> Optional[dict]:
+    """The shortest gt phrase whose `char_span` contains the character span `mention`, or None."""
+    start, end = mention
+    around = [gt for gt in gt_phrases
+              if "char_span" in gt and gt["char_span"][0] <= start and end <= gt["char_span"][1]]
+    return min(around, key=lambda gt: gt["char_span"][1] - gt["char_span"][0], default=None)
+
+
+def mention_boxes(mentions: Sequence[Tuple[int, int]], gt_phrases: Sequence[dict]) -> List[Box]:
+    """Boxes (score 1) of the objects a phrase names, matched by position in the caption.
+
+    Each mention (the character span of a named object's head noun) takes the boxes of the tightest gt phrase
+    around it: its own object's noun phrase ("large red square"), not the relation phrase that also contains
+    it. Word matching cannot be exact here: the parsed "red square placed" is closest in words to the gt
+    relation phrase "red square placed left of a blue circle", and the same words in two captions of one
+    image may name different objects. A phrase naming an object that no gt phrase contains gets no boxes at
+    all: part of a relation's boxes would mask the wrong region as confidently as a full match.
+    """
+    boxes: List[Box] = []
+    for mention in mentions:
+        owner = _tightest_gt_phrase(mention, gt_phrases)
+        if owner is None:
+            return []
+        boxes.extend(box for box in map(_xyxy_with_score, owner["boxes"]) if box not in boxes)
+    return boxes
+
+
 def _name_forms(name: str) -> List[Tuple[str, ...]]:
     """A category name as a word sequence, with naive plurals of its last word ("dogs", "buses")."""
     words = tuple(_words(name))
@@ -417,10 +450,11 @@ def load_coco_instances(path: str) -> Dict[int, List[Tuple[str, Box]]]:
 class AnnotationGrounder(ImageReader):
     """Ground-truth boxes instead of a detector.
 
-    A phrase's boxes are the union of (1) the boxes of the request's gt phrase that best covers its words
-    (coverage >= `min_overlap`, see `best_gt_boxes`) and (2) with `instances_json`, every COCO instance of the
-    image whose category name
-    the phrase mentions. All scores are 1.
+    A phrase's boxes are the union of (1) the boxes of the request's gt phrases: by position where the request
+    has `phrase_mentions` (each named object's own gt phrase, see `mention_boxes`), else those of the gt
+    phrase that best covers its words (coverage >= `min_overlap`, see `best_gt_boxes`), and (2) with
+    `instances_json`, every COCO instance of the image whose category name the phrase mentions. All scores
+    are 1.
 
     Args:
         min_overlap: minimum share of the phrase's words found in the matched gt phrase. Above 0.5, so
@@ -436,7 +470,8 @@ class AnnotationGrounder(ImageReader):
 
     def settings(self) -> dict:
         instances = self.instances_json
-        return {"name": "annotations", "min_overlap": self.min_overlap,
+        # "gt_matching" names how phrases meet gt phrases: a change of that rule must not reuse old caches.
+        return {"name": "annotations", "min_overlap": self.min_overlap, "gt_matching": "positions-or-words",
                 "instances_json": os.path.basename(instances) if instances else None,
                 "instances_sha256": _file_sha256(instances) if instances else None}
 
@@ -446,10 +481,16 @@ class AnnotationGrounder(ImageReader):
     def _request_boxes(self, request: GroundingRequest) -> List[List[Box]]:
         if self._read(request.image_path) is None:
             return [[] for _ in request.phrases]
-        return [self._phrase_boxes(request, phrase) for phrase in request.phrases]
+        mentions = request.phrase_mentions or [None] * len(request.phrases)
+        return [self._phrase_boxes(request, phrase, named) for phrase, named in zip(request.phrases, mentions)]
 
-    def _phrase_boxes(self, request: GroundingRequest, phrase: str) -> List[Box]:
-        boxes = best_gt_boxes(phrase, request.gt_phrases or [], self.min_overlap)
+    def _phrase_boxes(self, request: GroundingRequest, phrase: str,
+                      mentions: Optional[Sequence[Tuple[int, int]]] = None) -> List[Box]:
+        gt_phrases = request.gt_phrases or []
+        if mentions is not None:
+            boxes = mention_boxes(mentions, gt_phrases)
+        else:
+            boxes = best_gt_boxes(phrase, gt_phrases, self.min_overlap)
         instances = self.instances.get(request.image_id, [])
         return boxes + [box for name, box in instances if mentions_category(phrase, name)]
 

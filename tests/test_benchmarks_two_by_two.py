@@ -4,6 +4,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from datamodules.benchmarks.base import MissingBenchmarkData
+from datamodules.benchmarks.base import ImageRef, MissingBenchmarkData
 from datamodules.benchmarks.images import load_image
 from datamodules.benchmarks.standin import two_by_two as standin
 from datamodules.benchmarks.two_by_two import BiSCoRCtrl, BiVLC, ShapesSwap, Winoground, two_by_two_scores
@@ -75,6 +77,87 @@ def test_bivlc_reads_both_shards_in_order_with_embedded_images(tmp_path):
             encoded = pool[standin.pool_index(index, which, len(pool))]
             expected = np.asarray(Image.open(io.BytesIO(encoded)).convert("RGB"))
             assert np.array_equal(_pixels(items[index].images[which]), expected)
+
+
+def _reshard(source: Path, shards: list[Path]) -> None:
+    """Split a parquet file's rows into consecutive shards (same schema and metadata) and delete it."""
+    table = pq.read_table(source)
+    bounds = np.linspace(0, table.num_rows, len(shards) + 1).astype(int)
+    for shard, start, stop in zip(shards, bounds[:-1], bounds[1:]):
+        shard.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.slice(start, stop - start), shard)
+    source.unlink()
+
+
+def _same_items(ours, reference) -> None:
+    """Same ids, captions and meta in the same order, and the same decoded pixels for every image."""
+    assert [(i.id, i.texts, i.meta) for i in ours] == [(i.id, i.texts, i.meta) for i in reference]
+    for mine, theirs in zip(ours, reference):
+        for my_ref, their_ref in zip(mine.images, theirs.images):
+            assert np.array_equal(_pixels(my_ref), _pixels(their_ref))
+
+
+def test_winoground_reads_several_shards_in_name_order(tmp_path):
+    reference = Winoground(tmp_path / "one", **standin.write_winoground(tmp_path / "one", n_items=7, layout="parquet"))
+    standin.write_winoground(tmp_path / "three", n_items=7, layout="parquet")
+    data = tmp_path / "three" / "data"
+    # A hash-suffixed name (as older revisions have) still sorts by its shard number.
+    shards = [data / "test-00000-of-00003-1f2e.parquet", data / "test-00001-of-00003-0a9b.parquet",
+              data / "test-00002-of-00003-c3d4.parquet"]
+    _reshard(data / "test-00000-of-00001.parquet", shards)
+    benchmark = Winoground(tmp_path / "three")
+    items = benchmark.items()
+    assert benchmark.source == "parquet" and [i.id for i in items] == [str(k) for k in range(7)]
+    # rows 0-1 in the first shard, 2-3 in the second, 4-6 in the third: members count rows within a shard
+    assert [(ref.path, ref.member) for ref in items[3].images] == [(str(shards[1]), "image_0:1"),
+                                                                  (str(shards[1]), "image_1:1")]
+    assert items[4].images[0] == ImageRef(str(shards[2]), member="image_0:0")
+    _same_items(items, reference.items())
+
+
+@pytest.mark.parametrize("benchmark_class", [Winoground, BiVLC])
+def test_the_hubs_converted_parquet_layout_reads_as_the_repository_layout(tmp_path, benchmark_class):
+    write = standin.write_winoground if benchmark_class is Winoground else standin.write_bivlc
+    options = {"layout": "parquet"} if benchmark_class is Winoground else {}
+    reference = benchmark_class(tmp_path / "repo", **write(tmp_path / "repo", n_items=9, seed=3, **options))
+    write(tmp_path / "hub", n_items=9, seed=3, **options)
+    originals = sorted((tmp_path / "hub" / "data").glob("test-*.parquet"))
+    converted = [tmp_path / "hub" / "default" / "test" / f"{k:04d}.parquet" for k in range(len(originals))]
+    for original, target in zip(originals, converted):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(original, target)
+    (tmp_path / "hub" / "data").rmdir()
+    benchmark = benchmark_class(tmp_path / "hub")
+    assert {ref.path for item in benchmark.items() for ref in item.images} == {str(path) for path in converted}
+    _same_items(benchmark.items(), reference.items())
+
+
+def test_one_shard_layout_is_read_and_two_converted_configs_are_refused(tmp_path):
+    standin.write_bivlc(tmp_path, n_items=6)
+    hub = tmp_path / "default" / "test"
+    hub.mkdir(parents=True)
+    for k, shard in enumerate(sorted((tmp_path / "data").glob("test-*.parquet"))):
+        shutil.copy(shard, hub / f"{k:04d}.parquet")
+    # data/ wins and the converted copy is ignored; reading both would count every item twice
+    items = BiVLC(tmp_path).items()
+    assert len(items) == 6 and {Path(ref.path).parent for i in items for ref in i.images} == {tmp_path / "data"}
+    shutil.rmtree(tmp_path / "data")
+    shutil.copytree(hub, tmp_path / "other" / "test")
+    with pytest.raises(ValueError, match=r"test shards in several folders \(default/test, other/test\)"):
+        BiVLC(tmp_path).items()
+
+
+def test_winoground_explicit_source_needs_its_files_and_ids_must_not_repeat(tmp_path):
+    standin.write_winoground(tmp_path / "j", n_items=3)
+    with pytest.raises(MissingBenchmarkData, match=re.escape("lacks data/test-*.parquet | */test/*.parquet")):
+        Winoground(tmp_path / "j", source="parquet")
+    standin.write_winoground(tmp_path / "p", n_items=3, layout="parquet")
+    with pytest.raises(MissingBenchmarkData, match="source='jsonl' but .* lacks data/examples.jsonl"):
+        Winoground(tmp_path / "p", source="jsonl")
+    data = tmp_path / "p" / "data"
+    shutil.copy(data / "test-00000-of-00001.parquet", data / "test-00000-of-00001-0a9b.parquet")
+    with pytest.raises(ValueError, match=r"ids repeat across the test shards \(e.g. \['0', '1', '2'\]\)"):
+        Winoground(tmp_path / "p").items()
 
 
 def test_biscor_ctrl_and_shapes_swap_standins_load(tmp_path):
@@ -245,9 +328,14 @@ def test_shapes_swap_with_a_tiny_clip_equals_a_direct_computation(tmp_path):
 
 
 def test_missing_files_are_named(tmp_path):
-    with pytest.raises(MissingBenchmarkData, match="data/examples.jsonl | data/test-00000-of-00001.parquet"):
+    accepted = "data/test-*.parquet | */test/*.parquet"
+    with pytest.raises(MissingBenchmarkData, match=re.escape(f"expected files: data/examples.jsonl | {accepted}")):
         Winoground(tmp_path)
-    with pytest.raises(MissingBenchmarkData, match=r"data/test-\*.parquet"):
+    with pytest.raises(MissingBenchmarkData, match=re.escape(f"expected files: {accepted}")):
+        BiVLC(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "test-00000-of-00001.parquet").mkdir()  # a folder named like a shard is not a shard
+    with pytest.raises(MissingBenchmarkData, match=re.escape(accepted)):
         BiVLC(tmp_path)
     with pytest.raises(MissingBenchmarkData, match="biscor_ctrl.jsonl"):
         BiSCoRCtrl(tmp_path)

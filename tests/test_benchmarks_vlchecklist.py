@@ -10,7 +10,8 @@ import pytest
 
 from datamodules.benchmarks.base import ImageRef, MissingBenchmarkData
 from datamodules.benchmarks.standin.vlchecklist import official_paths, write_vl_checklist
-from datamodules.benchmarks.vlchecklist import TAXONOMY, VLCheckList, first_with_image
+from datamodules.benchmarks.vlchecklist import TAXONOMY, VLCheckList, dataset_of, first_with_image
+from lightning_modules import evaluate
 from lightning_modules.scorers import FunctionScorer
 
 N_ITEMS = 20
@@ -85,33 +86,65 @@ def outcome(subtype: str, source: str, correct: bool, skipped: int = 0, beyond: 
             "source_skipped_missing_image": skipped, "source_beyond_cap": beyond}
 
 
-def test_category_means_from_hand_made_outcomes():
-    wrong = {("Object/Location/center", "hake"), ("Relation/spatial", "vg")}
-    outcomes = [outcome(t, s, (t, s) not in wrong, beyond=7 if t == "Relation/spatial" else 0)
-                for t, names in TAXONOMY.items() for s in names if (t, s) != ("Object/Size/large", "swig_tool")]
-    outcomes.append(outcome("Attribute/color", "vaw", False, skipped=3))  # color/vaw: 1 of 2 right
-    outcomes = [dict(o, source_skipped_missing_image=3) if o["id"] == "Attribute/color/vaw" else o for o in outcomes]
-    result = VLCheckList.aggregate(outcomes)
-    center = 6 * 100 / 7
-    assert result["Object/Location/center/hake"] == 0.0 and result["Object/Location/center"] == pytest.approx(center)
-    assert result["Object/Size/large"] == 100.0 and "Object/Size/large/swig_tool" not in result
-    assert result["object"] == pytest.approx((center + 5 * 100) / 6)
-    assert result["Attribute/color"] == pytest.approx((50 + 100) / 2)
-    assert result["attribute"] == pytest.approx((75 + 4 * 100) / 5)
-    assert result["relation"] == pytest.approx((100 + 0) / 2)
-    assert result["average"] == pytest.approx((result["object"] + 95 + 50) / 3)
-    location = (center + 200) / 3
-    assert result["object_location_size"] == pytest.approx((location + 100) / 2)
-    assert result["empty_sources"] == 1 and result["items"] == 56
+def hand_made_outcomes(correct: dict[tuple[str, str], list[bool]], skip: set = frozenset(), **counts) -> list:
+    """One correct outcome per (type, source) of the taxonomy, except the listed ones; `skip` has none."""
+    return [outcome(t, s, hit, **counts.get(f"{t}/{s}", {})) for t, names in TAXONOMY.items() for s in names
+            if (t, s) not in skip for hit in correct.get((t, s), [True])]
+
+
+def test_official_dataset_grouping_of_every_source():
+    """`vl_checklist/corpus.json`: Object files group into vg (obj, subj), swig (4 roles) and hake; every
+    Attribute and Relation file is a dataset of its own."""
+    assert {s: dataset_of(s) for s in TAXONOMY["Object/Size/small"]} == {
+        "hake": "hake", "swig_agent": "swig", "swig_destination": "swig", "swig_item": "swig", "swig_tool": "swig",
+        "vg_obj": "vg", "vg_subj": "vg"}
+    assert [dataset_of(s) for s in TAXONOMY["Attribute/state"]] == ["vaw", "vg"]
+    assert [dataset_of(s) for s in TAXONOMY["Relation/action"]] == ["hake", "swig", "vg"]
+    assert [dataset_of(s) for s in TAXONOMY["Relation/spatial"]] == ["vg"]
+
+
+def test_sub_types_average_datasets_not_sources_as_the_authors_chart_does():
+    """Hand-made outcomes where the mean over datasets and the mean over the 7 sources differ."""
+    margin, small = "Object/Location/margin", "Object/Size/small"
+    correct = {(margin, "hake"): [True], (margin, "swig_agent"): [False], (margin, "swig_destination"): [False],
+               (margin, "swig_item"): [True, False], (margin, "swig_tool"): [False], (margin, "vg_obj"): [True],
+               (margin, "vg_subj"): [False], (small, "hake"): [False],
+               ("Attribute/color", "vaw"): [True, False], ("Relation/action", "hake"): [False],
+               ("Relation/spatial", "vg"): [True, False, False, False]}
+    counts = {"Attribute/color/vaw": {"skipped": 3}, "Relation/spatial/vg": {"beyond": 7}}
+    result = VLCheckList.aggregate(hand_made_outcomes(correct, **counts))
+    # margin: hake 100, swig (0 + 0 + 50 + 0) / 4 = 12.5, vg (100 + 0) / 2 = 50; over the 7 sources it is 250 / 7
+    assert result["Object/Location/margin/swig_item"] == 50.0 and result["dataset/Object/Location/margin/swig"] == 12.5
+    assert result["dataset/Object/Location/margin/vg"] == 50.0 and result["dataset/Object/Location/margin/hake"] == 100
+    assert result[margin] == pytest.approx(162.5 / 3) and result[margin] != pytest.approx(250 / 7)
+    # small: hake 0, swig 100, vg 100 -> 200 / 3 (over the sources: 600 / 7)
+    assert result[small] == pytest.approx(200 / 3)
+    assert result["Object/Location"] == pytest.approx((200 + 162.5 / 3) / 3)
+    assert result["Object/Size"] == pytest.approx((200 + 200 / 3) / 3)
+    assert result["object"] == pytest.approx((400 + 162.5 / 3 + 200 / 3) / 6)
+    assert result["Attribute/color"] == 75.0 and result["attribute"] == 95.0
+    assert result["Relation/action"] == pytest.approx(200 / 3) and result["Relation/spatial"] == 25.0
+    assert result["relation"] == pytest.approx(275 / 6)
+    assert result["average"] == pytest.approx(((400 + 162.5 / 3 + 200 / 3) / 6 + 95 + 275 / 6) / 3)
+    assert result["object_location_size"] == pytest.approx(((200 + 162.5 / 3) / 3 + (200 + 200 / 3) / 3) / 2)
+    assert result["partial"] == 0.0 and result["missing_sources"] == 0 and result["items"] == 56 + 5
     assert result["skipped_missing_image"] == 3 and result["skipped_missing_image/Attribute/color/vaw"] == 3
     assert result["beyond_cap"] == 7 and result["beyond_cap/Relation/spatial/vg"] == 7
 
 
-def test_a_missing_subtype_makes_its_category_nan_not_smaller():
-    outcomes = [outcome(t, s, True) for t, names in TAXONOMY.items() for s in names if t != "Relation/spatial"]
-    result = VLCheckList.aggregate(outcomes)
-    assert np.isnan(result["Relation/spatial"]) and np.isnan(result["relation"]) and np.isnan(result["average"])
-    assert result["object"] == 100.0
+def test_missing_sources_make_the_aggregates_partial_with_means_over_what_is_present():
+    large = "Object/Size/large"
+    skip = {(large, "swig_tool"), ("Relation/spatial", "vg")}
+    result = VLCheckList.aggregate(hand_made_outcomes({(large, "swig_agent"): [False]}, skip=skip))
+    assert result["partial"] == 1.0 and result["missing_sources"] == 2
+    assert result["missing/Object/Size/large/swig_tool"] == 1.0 and result["missing/Relation/spatial/vg"] == 1.0
+    assert "Object/Size/large/swig_tool" not in result
+    # large: hake 100, swig over its 3 present roles (0 + 100 + 100) / 3, vg 100
+    assert result["dataset/Object/Size/large/swig"] == pytest.approx(200 / 3)
+    assert result[large] == pytest.approx((200 + 200 / 3) / 3)
+    assert np.isnan(result["Relation/spatial"]) and result["relation"] == 100.0  # over the present sub-type
+    assert result["object"] == pytest.approx((500 + (200 + 200 / 3) / 3) / 6)
+    assert result["average"] == pytest.approx((result["object"] + 200) / 3)
 
 
 def index_of(text: str) -> int:
@@ -133,17 +166,17 @@ def test_end_to_end_with_a_function_scorer_on_standin_data(standin):
     assert result["average"] == pytest.approx((50 + result["attribute"] + 50) / 3)
     odd = 54 * N_ITEMS // 2 + sum(i % 2 for i in MISSING_KEPT) + 500
     assert result["ties"] == odd and result["items"] == 54 * N_ITEMS + len(MISSING_KEPT) + 1000
-    assert result["skipped_missing_image"] == 7 and result["beyond_cap"] == N_ITEMS and result["empty_sources"] == 0
+    assert result["skipped_missing_image"] == 7 and result["beyond_cap"] == N_ITEMS
+    assert result["partial"] == 0.0 and result["missing_sources"] == 0
 
 
-def test_an_empty_source_is_skipped_and_counted(tmp_path):
+def test_an_empty_source_is_an_error_naming_it(tmp_path):
     root = tmp_path / "vlc"
     options = write_vl_checklist(root, n_items=3)
     (root / official_paths("Object/Size/large", "swig_tool")[0]).write_text("[]")
-    benchmark = VLCheckList(root, max_items=3, **options)
-    assert not [i for i in benchmark.items() if i.id.startswith("Object/Size/large/swig_tool/")]
-    result = VLCheckList.aggregate(benchmark.outcomes(FunctionScorer(lambda image, text: float("positive" in text))))
-    assert result["empty_sources"] == 1 and result["Object/Size/large"] == 100.0
+    with pytest.raises(MissingBenchmarkData, match=r"Object/Size/large/swig_tool: .*swig_tool_large.json has no "
+                                                   r"entries.*allow_partial=true"):
+        VLCheckList(root, max_items=3, **options).items()
 
 
 def test_missing_yaml_and_annotation_files_are_named(tmp_path):
@@ -152,8 +185,61 @@ def test_missing_yaml_and_annotation_files_are_named(tmp_path):
     root = tmp_path / "vlc"
     options = write_vl_checklist(root, n_items=2)
     (root / "data/Relation/vg/spatial.json").unlink()
-    with pytest.raises(MissingBenchmarkData, match=r"data/Relation/vg/spatial.json \(named by corpus/v1/Relation"):
+    (root / official_paths("Attribute/size", "vaw")[0]).unlink()
+    with pytest.raises(MissingBenchmarkData, match=r"2 \(type, source\).*Attribute/size/vaw: annotation file .*"
+                                                   r"Relation/spatial/vg: .*data/Relation/vg/spatial.json \(named by "
+                                                   r"corpus/v1/Relation/spatial/vg.yaml\)"):
         VLCheckList(root, **options)
+
+
+def break_four_sources(root: Path) -> None:
+    """No YAML for Relation/spatial/vg, no annotation file for Object/Size/large/swig_tool, no entries in
+    Attribute/state/vg, and no existing image in Attribute/size/vaw."""
+    (root / "corpus/v1/Relation/spatial/vg.yaml").unlink()
+    (root / official_paths("Object/Size/large", "swig_tool")[0]).unlink()
+    (root / official_paths("Attribute/state", "vg")[0]).write_text("[]")
+    entries = [[f"VG_100K/absent_{i}.jpg", {"POS": ["a"], "NEG": ["b"]}] for i in range(3)]
+    (root / official_paths("Attribute/size", "vaw")[0]).write_text(json.dumps(entries))
+
+
+def test_allow_partial_scores_what_is_present_and_says_what_is_missing(tmp_path):
+    root = tmp_path / "vlc"
+    options = write_vl_checklist(root, n_items=3)
+    break_four_sources(root)
+    with pytest.raises(MissingBenchmarkData, match="Relation/spatial/vg"):
+        VLCheckList(root, max_items=3, **options)
+    benchmark = VLCheckList(root, max_items=3, allow_partial=True, **options)
+    outcomes = benchmark.outcomes(FunctionScorer(lambda image, text: float("positive" in text)))
+    assert len(outcomes) == (56 - 4 - 1) * 3 + 2  # Attribute/color/vaw lacks the image of its entry 1
+    assert sorted(benchmark.missing) == ["Attribute/size/vaw", "Attribute/state/vg", "Object/Size/large/swig_tool",
+                                         "Relation/spatial/vg"]
+    assert "no entries" in benchmark.missing["Attribute/state/vg"]
+    assert "none of its 3 images exists" in benchmark.missing["Attribute/size/vaw"]
+    result = VLCheckList.aggregate(outcomes)
+    assert result["partial"] == 1.0 and result["missing_sources"] == 4
+    assert {key for key in result if key.startswith("missing/")} == {f"missing/{key}" for key in benchmark.missing}
+    assert np.isnan(result["Relation/spatial"]) and result["Attribute/state"] == 100.0  # vaw is present
+    assert result["object"] == result["attribute"] == result["relation"] == result["average"] == 100.0
+
+
+def test_allow_partial_is_set_from_the_cli_and_checked(tmp_path):
+    root = tmp_path / "bench" / "vl_checklist"
+    options = write_vl_checklist(root, n_items=2)
+    break_four_sources(root)
+    args = evaluate.parse_args(["--benchmarks", "vl_checklist", "--data-root", str(tmp_path / "bench"),
+                                "--set", f"vl_checklist.images={options['images']}",
+                                "--set", "vl_checklist.allow_partial=true"])
+    benchmark = evaluate.select_benchmarks(args)["vl_checklist"]
+    assert benchmark.allow_partial is True and "Relation/spatial/vg" in benchmark.missing
+    with pytest.raises(TypeError, match="allow_partial must be true or false"):
+        VLCheckList(root, allow_partial="sometimes", **options)
+
+
+def test_allow_partial_with_nothing_to_score_is_an_error(tmp_path):
+    root = tmp_path / "vlc"
+    write_vl_checklist(root, n_items=2)
+    with pytest.raises(MissingBenchmarkData, match=r"no \(type, source\) .* can be scored"):
+        VLCheckList(root, images=tmp_path / "nowhere", allow_partial=True).items()
 
 
 def test_malformed_inputs_are_clear_errors(tmp_path):
@@ -172,5 +258,6 @@ def test_malformed_inputs_are_clear_errors(tmp_path):
 def test_wrong_images_folder_is_an_error_not_an_empty_source(tmp_path):
     root = tmp_path / "vlc"
     write_vl_checklist(root, n_items=2)
-    with pytest.raises(MissingBenchmarkData, match=r"none of the 2 images of Object/Location/center/hake.*`images`"):
+    with pytest.raises(MissingBenchmarkData, match=r"56 \(type, source\).*Object/Location/center/hake: none of its 2 "
+                                                   r"images exists under .*`images`"):
         VLCheckList(root, images=tmp_path / "nowhere").items()

@@ -1,6 +1,7 @@
 """What'sUp: the authors' file formats, strict gold-beats-all scoring, pair / set accuracy by object pair."""
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from datamodules.benchmarks.whatsup import (
     one_object_preposition,
     parse_controlled_name,
 )
+from lightning_modules import evaluate
+from lightning_modules.evaluation import combined_aggregates
 from lightning_modules.scorers import FunctionScorer
 
 WRITERS = {"whatsup_a": standin.write_whatsup_a, "whatsup_b": standin.write_whatsup_b,
@@ -201,6 +204,69 @@ def test_end_to_end_coco_two_with_a_known_answer(tmp_path):
     result = WhatsUpCocoTwo.aggregate(benchmark.outcomes(FunctionScorer(similarity)))
     assert result["accuracy"] == 75.0 and result["prep/above"] == 0.0 and result["prep/below"] == 100.0
     assert result["ties"] == 0
+
+
+# ---------------------------------------------------------------- Table 1: macro averages over sets
+
+HAND_MADE_SETS = {
+    "whatsup_a": {"accuracy": 25.0, "pair_accuracy": 50.0, "set_accuracy": 0.0, "ties": 3.0},
+    "whatsup_b": {"accuracy": 40.0, "pair_accuracy": 10.0, "set_accuracy": 20.0, "ties": 0.0},
+    "whatsup_coco_one": {"accuracy": 60.0}, "whatsup_coco_two": {"accuracy": 45.0},
+    "whatsup_gqa_one": {"accuracy": 50.0}, "whatsup_gqa_two": {"accuracy": 47.0}}
+
+
+def test_table_1_macro_averages_from_hand_made_set_aggregates():
+    combined = combined_aggregates(HAND_MADE_SETS)
+    assert list(combined) == ["whatsup_ab", "whatsup_coco_spatial", "whatsup_gqa_spatial", "whatsup_six_sets"]
+    assert combined["whatsup_ab"] == {
+        "accuracy": 32.5, "pair_accuracy": 30.0, "set_accuracy": 10.0,
+        "whatsup_a/accuracy": 25.0, "whatsup_b/accuracy": 40.0, "whatsup_a/pair_accuracy": 50.0,
+        "whatsup_b/pair_accuracy": 10.0, "whatsup_a/set_accuracy": 0.0, "whatsup_b/set_accuracy": 20.0}
+    assert combined["whatsup_coco_spatial"]["accuracy"] == 52.5
+    assert combined["whatsup_gqa_spatial"]["accuracy"] == 48.5
+    assert combined["whatsup_six_sets"]["accuracy"] == 44.5  # (25 + 40 + 60 + 45 + 50 + 47) / 6
+    # unweighted by set size: a 412-item and a 2,247-item set count the same (a micro mean would not)
+    assert combined_aggregates(dict(HAND_MADE_SETS, whatsup_gqa_two={"accuracy": 41.0}))["whatsup_six_sets"] == {
+        "accuracy": 43.5, **{f"{name}/accuracy": values["accuracy"] for name, values in
+                             dict(HAND_MADE_SETS, whatsup_gqa_two={"accuracy": 41.0}).items()}}
+
+
+def test_a_combined_aggregate_needs_every_part_and_every_key():
+    only_a_b_and_coco_one = {k: v for k, v in HAND_MADE_SETS.items() if k in ("whatsup_a", "whatsup_b",
+                                                                          "whatsup_coco_one")}
+    assert list(combined_aggregates(only_a_b_and_coco_one)) == ["whatsup_ab"]
+    undefined = dict(HAND_MADE_SETS, whatsup_coco_two={"accuracy": None})  # how aggregates.json stores NaN
+    assert np.isnan(combined_aggregates(undefined)["whatsup_coco_spatial"]["accuracy"])
+    without_pairs = dict(HAND_MADE_SETS, whatsup_b={"accuracy": 40.0})
+    with pytest.raises(ValueError, match="'whatsup_ab': whatsup_b reports no 'pair_accuracy'"):
+        combined_aggregates(without_pairs)
+
+
+def test_table_1_averages_through_the_cli_results_files_and_reaggregate(tmp_path, capsys):
+    options = []
+    for name, write in WRITERS.items():
+        options += ["--set", f"{name}.images={write(tmp_path / 'bench' / name, n_items=8, seed=3)['images']}"]
+    out = tmp_path / "eval"
+    evaluate.main(["--model", "ViT-Tiny-16-64", "--benchmarks", ",".join(WRITERS), "--data-root",
+                   str(tmp_path / "bench"), "--out", str(out), "--num-workers", "0", "--no-progress", *options])
+    document = json.loads((out / "aggregates.json").read_text())
+    sets = {name: entry["aggregates"] for name, entry in document["benchmarks"].items()}
+    ab = document["combined"]["whatsup_ab"]
+    assert ab["parts"] == ["whatsup_a", "whatsup_b"]
+    for key in ("accuracy", "pair_accuracy", "set_accuracy"):
+        assert ab["aggregates"][key] == pytest.approx((sets["whatsup_a"][key] + sets["whatsup_b"][key]) / 2)
+    gqa = document["combined"]["whatsup_gqa_spatial"]["aggregates"]["accuracy"]
+    assert gqa == pytest.approx((sets["whatsup_gqa_one"]["accuracy"] + sets["whatsup_gqa_two"]["accuracy"]) / 2)
+    markdown = (out / "results.md").read_text()
+    assert "| whatsup_ab = mean(whatsup_a, whatsup_b) | 16 | accuracy " in markdown and "## whatsup_six_sets" in markdown
+    with open(out / "results.csv", newline="") as handle:
+        rows = {(row["benchmark"], row["metric"]): row["value"] for row in csv.DictReader(handle)}
+    assert float(rows["whatsup_coco_spatial", "accuracy"]) == pytest.approx(
+        document["combined"]["whatsup_coco_spatial"]["aggregates"]["accuracy"])
+    capsys.readouterr()
+    evaluate.main(["--reaggregate", str(out)])
+    printed = capsys.readouterr().out
+    assert "whatsup_ab {'accuracy': " in printed and "whatsup_six_sets {'accuracy': " in printed
 
 
 # ---------------------------------------------------------------- missing and malformed files

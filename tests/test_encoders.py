@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from lightning_modules.encoders import CLIPEncoders, build_model, canonical_model_name
+from tolerance import scaled_close
 
 CAPTIONS = ["a red square to the left of a blue circle", "a horse riding a man", "two dogs"]
+# Two code paths of a float32 tower (fused attention against the explicit one, a trimmed sequence against
+# the full one) round differently: up to ~1e-6 of the largest feature (8e-7 seen for ViT-B-32's 12 blocks).
+RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +33,9 @@ def test_plain_outputs_equal_open_clip(name):
     model, encoders = built.model.eval(), CLIPEncoders(built.model)
     ids, images = built.tokenizer(CAPTIONS), images_for(model)
     with torch.no_grad():
-        assert torch.allclose(encoders.encode_text(ids).pooled, model.encode_text(ids), atol=1e-5)
+        assert scaled_close(encoders.encode_text(ids).pooled, model.encode_text(ids), RTOL)
         image = encoders.encode_image(images)
-        assert torch.allclose(image.pooled, model.encode_image(images), atol=1e-5)
+        assert scaled_close(image.pooled, model.encode_image(images), RTOL)
     grid = model.visual.grid_size
     assert image.patches.shape == (3, grid[0] * grid[1], model.visual.output_dim)
 
@@ -76,11 +80,11 @@ def test_attention_equals_naive_recomputation_and_features_unchanged(tiny):
         plain, with_attn = encoders.encode_text(ids), encoders.encode_text(ids, attn=True)
     assert len(with_attn.attentions) == len(model.transformer.resblocks)
     for block, x, probs in zip(model.transformer.resblocks, block_inputs, with_attn.attentions):
-        assert torch.allclose(probs, naive_attention(block, x, model.attn_mask), atol=1e-5)
-        assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
+        assert scaled_close(probs, naive_attention(block, x, model.attn_mask), RTOL)
+        assert scaled_close(probs.sum(-1), torch.ones(()), RTOL)  # <= 77 terms
         assert probs[..., 0, 1:].abs().max() == 0  # causal: SOT attends only to itself
-    assert torch.allclose(with_attn.pooled, plain.pooled, atol=1e-5)
-    assert torch.allclose(with_attn.tokens, plain.tokens, atol=1e-5)
+    assert scaled_close(with_attn.pooled, plain.pooled, RTOL)
+    assert scaled_close(with_attn.tokens, plain.tokens, RTOL)
 
 
 def test_attention_stays_in_the_graph(tiny):
@@ -108,10 +112,11 @@ def test_text_mask_token_replaces_embedding_before_positions(tiny):
         masked = encoders.encode_text(ids, replace=replace, mask_token=mask_token)
         expected = encoders.encode_text(edited)
         untouched = encoders.encode_text(ids, replace=torch.zeros_like(replace), mask_token=mask_token)
-    assert torch.allclose(masked.tokens, expected.tokens, atol=1e-5)
-    assert torch.allclose(untouched.pooled, encoders.encode_text(ids).pooled, atol=1e-6)
-    assert not torch.allclose(masked.pooled[0], untouched.pooled[0], atol=1e-3)
-    assert torch.allclose(masked.pooled[2], untouched.pooled[2], atol=1e-6)  # row without masked tokens
+    assert scaled_close(masked.tokens, expected.tokens, RTOL)
+    # the same inputs through the same kernels: equal up to the last bits
+    assert scaled_close(untouched.pooled, encoders.encode_text(ids).pooled, 1e-6)
+    assert not scaled_close(masked.pooled[0], untouched.pooled[0], 1e-3)
+    assert scaled_close(masked.pooled[2], untouched.pooled[2], 1e-6)  # row without masked tokens
 
 
 def test_image_mask_token_replaces_patch_embedding_before_positions(tiny):
@@ -132,8 +137,8 @@ def test_image_mask_token_replaces_patch_embedding_before_positions(tiny):
         replace = torch.zeros(2, grid * grid, dtype=torch.bool)
         replace[:, k] = True
         masked = encoders.encode_image(images, replace=replace, mask_token=mask_token)
-        assert torch.allclose(masked.pooled, model.encode_image(pasted), atol=1e-5)
-        assert not torch.allclose(masked.pooled, model.encode_image(images), atol=1e-3)
+        assert scaled_close(masked.pooled, model.encode_image(pasted), RTOL)
+        assert not scaled_close(masked.pooled, model.encode_image(images), 1e-3)
 
 
 def test_replace_needs_a_mask_token_and_the_right_shape(tiny):
@@ -166,6 +171,6 @@ def test_trimming_after_the_last_eos_keeps_the_pooled_text_features():
         trimmed = encoders.encode_text(ids, trim=True)
         traced = encoders.encode_text(ids, attn=True, trim=True)
     assert trimmed.tokens.shape[1] == int(ids.argmax(-1).max()) + 1 < ids.shape[1]
-    assert torch.allclose(trimmed.pooled, full.pooled, atol=1e-5)
-    assert torch.allclose(traced.pooled, full.pooled, atol=1e-5)
-    assert torch.allclose(trimmed.tokens, full.tokens[:, : trimmed.tokens.shape[1]], atol=1e-5)
+    assert scaled_close(trimmed.pooled, full.pooled, RTOL)
+    assert scaled_close(traced.pooled, full.pooled, RTOL)
+    assert scaled_close(trimmed.tokens, full.tokens[:, : trimmed.tokens.shape[1]], RTOL)

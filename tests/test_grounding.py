@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tolerance import scaled_close
 
 from parsers.grounding import (
     GROUNDERS,
@@ -18,6 +19,7 @@ from parsers.grounding import (
     boxes_to_patch_mask,
     build_grounder,
     groundingdino_image_tensor,
+    mention_boxes,
     random_rectangle_mask,
     select_boxes,
 )
@@ -63,8 +65,9 @@ def image_files(tmp_path_factory):
 
 
 def groundingdino(bert_dir, checkpoint=None, **options):
+    """Without a checkpoint: seeded random weights, which the grounder accepts only when told it is a test."""
     return build_grounder("groundingdino", checkpoint=checkpoint, text_encoder=bert_dir, image_size=IMAGE_SIZE,
-                          **options)
+                          allow_random_weights=checkpoint is None, **options)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +132,9 @@ def test_matches_groundingdino_predict(bert_dir, image_files):
                            dim=-1).clamp_min(0)
     expected = torch.minimum(expected, torch.tensor([320.0, 240.0, 320.0, 240.0], dtype=torch.float64))
     assert len(ours) == len(boxes) > 0
-    assert torch.allclose(torch.tensor(ours, dtype=torch.float64)[:, :4], expected, atol=1e-4)
-    assert torch.allclose(torch.tensor(ours, dtype=torch.float64)[:, 4], scores.double(), atol=1e-6)
+    # float32 fractions of the 320 x 240 image: coordinates (0 among them) round relative to the image size
+    assert scaled_close(torch.tensor(ours, dtype=torch.float64)[:, :4], expected, 1e-5)
+    assert scaled_close(torch.tensor(ours, dtype=torch.float64)[:, 4], scores.double(), 1e-5)
 
 
 def test_box_threshold_above_one_gives_nothing(bert_dir, image_files):
@@ -206,6 +210,33 @@ def test_annotations_best_word_coverage(image_files):
     strict = build_grounder("annotations", min_overlap=0.9)
     assert strict.ground([request])[0][0] == []
     assert grounder.ground([GroundingRequest(image_files["wide"], ["red car"])]) == [[[]]]  # no gt phrases
+
+
+# "a large red square placed left of a small blue circle": two object phrases and the relation phrase.
+CAPTION_GT = [{"text": "large red square", "char_span": [2, 18], "boxes": [[0, 0, 10, 10]]},
+              {"text": "small blue circle", "char_span": [36, 53], "boxes": [[30, 0, 40, 10]]},
+              {"text": "large red square placed left of a small blue circle", "char_span": [2, 53],
+               "boxes": [[0, 0, 10, 10], [30, 0, 40, 10]]}]
+SQUARE, CIRCLE = (12, 18), (47, 53)   # head nouns
+
+
+def test_mention_boxes_take_each_objects_own_phrase():
+    assert mention_boxes([SQUARE], CAPTION_GT) == [(0.0, 0.0, 10.0, 10.0, 1.0)]   # not the relation phrase's two
+    assert mention_boxes([SQUARE, CIRCLE], CAPTION_GT) == [(0.0, 0.0, 10.0, 10.0, 1.0), (30.0, 0.0, 40.0, 10.0, 1.0)]
+    assert mention_boxes([CIRCLE, SQUARE], CAPTION_GT)[0] == (30.0, 0.0, 40.0, 10.0, 1.0)   # in the phrase's order
+    assert mention_boxes([(19, 25)], CAPTION_GT) == [(0.0, 0.0, 10.0, 10.0, 1.0), (30.0, 0.0, 40.0, 10.0, 1.0)]
+    assert mention_boxes([SQUARE, (60, 65)], CAPTION_GT) == []   # an object no gt phrase knows: no boxes at all
+
+
+def test_annotations_match_by_position_where_the_request_names_the_objects(image_files):
+    grounder = build_grounder("annotations")
+    request = GroundingRequest(image_files["wide"], ["red square placed", "square placed left of circle"],
+                               gt_phrases=CAPTION_GT, phrase_mentions=[[SQUARE], [SQUARE, CIRCLE]])
+    attribute, relation = grounder.ground([request])[0]
+    assert attribute == [(0.0, 0.0, 10.0, 10.0, 1.0)]
+    assert relation == [(0.0, 0.0, 10.0, 10.0, 1.0), (30.0, 0.0, 40.0, 10.0, 1.0)]
+    by_words = GroundingRequest(image_files["wide"], ["red square placed"], gt_phrases=CAPTION_GT)
+    assert len(grounder.ground([by_words])[0][0]) == 2   # words alone pick the relation phrase: why positions
 
 
 def test_annotations_coco_instances_by_category_name(tmp_path, image_files):

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import datamodules.preprocess as preprocess
+from datamodules.annotations import CaptionRecord
 from datamodules.cache import CacheError, open_cache
 from datamodules.coco import CocoDataModule
 from datamodules.shapes import generate
 from lightning_modules.config import load_config
 from lightning_modules.encoders import register_model_configs
-from parsers.grounding import boxes_to_patch_mask
+from parsers.grounding import boxes_to_patch_mask, build_grounder
+from parsers.scene_graph import SceneGraphParser
 
 TOKENIZER = open_clip.get_tokenizer("ViT-B-32")
 register_model_configs("configs/models")
@@ -148,6 +150,33 @@ def test_datamodule_reads_masks_from_the_cache(shapes_root, tmp_path):
         assert object_words & shapes, object_words
         assert not composition_words & shapes, composition_words  # shapes are objects, never composition
     assert batch["patch_mask"].any()  # phrases were grounded (a sampled phrase without boxes masks nothing)
+
+
+def gt_object_phrases(caption: str, boxes: dict) -> list:
+    """Ground-truth object phrases of `caption` as the shapes world writes them: one per object, by position."""
+    return [{"text": text, "type": "attribute", "char_span": [caption.index(text), caption.index(text) + len(text)],
+             "boxes": [box]} for text, box in boxes.items()]
+
+
+def test_same_phrase_words_in_two_captions_of_an_image_get_each_captions_own_boxes(tmp_path):
+    """Both captions parse to the relation phrase "square left of circle", about different squares: matched by
+    position within its own caption, each phrase gets exactly the boxes of the objects it names."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "1.png")
+    red, blue, circle = [0, 0, 10, 10], [0, 20, 10, 30], [40, 0, 50, 10]
+    captions = {1: ("a red square left of a green circle", {"red square": red, "green circle": circle}),
+                2: ("a blue square left of a green circle", {"blue square": blue, "green circle": circle})}
+    records = [CaptionRecord(i, 7, "1.png", text) for i, (text, _) in captions.items()]
+    gt = {i: gt_object_phrases(text, boxes) for i, (text, boxes) in captions.items()}
+    graphs = SceneGraphParser().parse([r.caption for r in records])
+    requests = preprocess.image_requests(records, graphs, tmp_path, gt)
+    grounder = build_grounder("annotations")
+    rows = preprocess.caption_rows(records, graphs, requests, grounder.ground(requests), gt)
+    boxes = [{p["text"]: sorted(b[:4] for b in p["boxes"]) for p in row["phrases"]} for row in rows]
+    assert boxes[0]["square left of circle"] == sorted([red, circle])
+    assert boxes[1]["square left of circle"] == sorted([blue, circle])
+    assert (boxes[0]["red square"], boxes[1]["blue square"]) == ([red], [blue])
 
 
 def test_patch_mask_of_a_sample_is_one_of_its_phrases(shapes_root, tmp_path):

@@ -185,7 +185,17 @@ def test_cli_refusal_names_the_keys_and_the_ways_out(shapes_root, tmp_path):
     assert (tmp_path / "runs" / "demo_pretrain" / "config.yaml").read_text() == config
 
 
-def test_a_failed_start_leaves_no_run_directory(shapes_root, tmp_path):
-    with pytest.raises(Exception):
+def test_a_missing_data_root_is_refused_before_anything_is_built_or_written(shapes_root, tmp_path):
+    from datamodules.inputs import InputError
+
+    with pytest.raises(InputError, match="data.root"):
         run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", f"data.root={tmp_path / 'no_such_data'}"))
+    assert not (tmp_path / "demo_pretrain").exists()
+
+
+def test_a_start_that_fails_while_building_leaves_no_run_directory(shapes_root, tmp_path):
+    """A failure after the run directory was made (here: an unknown model name, found while building) removes
+    the directory this start created."""
+    with pytest.raises(Exception):
+        run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", "model.name=ViT-No-Such-Model"))
     assert not (tmp_path / "demo_pretrain").exists()

@@ -229,6 +229,82 @@ def test_composition_spans_are_sorted_and_unique(parser):
     assert texts(graph.relation_spans()) == ["with", "with"]
 
 
+# ----- captions as descriptions of a photo ---------------------------------------------------------------------
+@pytest.mark.parametrize("caption, objects, triples", [
+    ("an image of a clock on a building", ["clock", "building"], [("clock", "on", "building")]),
+    ("an image showing a dog on a bed", ["dog", "bed"], [("dog", "on", "bed")]),
+    ("a black and white photo of a farmer standing next to horses", ["farmer", "horses"],
+     [("farmer", "standing next to", "horses")]),
+    ("a street scene with cars", ["street", "cars"], [("street", "with", "cars")]),
+    ("cars parked in a street scene", ["cars", "street"], [("cars", "in", "street")]),
+])
+def test_frame_nouns_are_not_objects_and_stand_for_what_they_show(parser, caption, objects, triples):
+    graph = parse_one(parser, caption)
+    assert (texts(graph.object_spans()), relation_triples(graph)) == (objects, triples)
+
+
+@pytest.mark.parametrize("caption", ["a picture hangs on a wall", "a picture of an animal is on a pole"])
+def test_a_picture_that_something_is_said_of_is_an_object(parser, caption):
+    assert "picture" in texts(parse_one(parser, caption).object_spans())
+
+
+@pytest.mark.parametrize("caption, attributes, triples", [
+    ("a dog can be seen on a bed", [], [("dog", "on", "bed")]),
+    ("a large pizza is shown on a table", ["large"], [("pizza", "on", "table")]),
+    ("the cat is visible", [], []),
+    ("there is a small green square", ["small", "green"], []),
+])
+def test_display_and_existence_words_are_not_composition_words(parser, caption, attributes, triples):
+    graph = parse_one(parser, caption)
+    assert (texts(graph.attribute_spans()), relation_triples(graph)) == (attributes, triples)
+
+
+@pytest.mark.parametrize("caption, triple", [
+    ("a cat left of a dog", ("cat", "left of", "dog")),
+    ("a blue square right of a red circle", ("square", "right of", "circle")),       # "square right" as a noun
+    ("there is a purple square right of a green circle", ("square", "right of", "circle")),
+    ("an orange ball right of a green box", ("ball", "right of", "box")),
+    ("a red car parked right of a tree", ("car", "parked right of", "tree")),
+    ("a vase placed left of a lamp", ("vase", "left of", "lamp")),
+    ("a cat on the left of a dog", ("cat", "on left of", "dog")),
+])
+def test_direction_words_before_of_are_relations_not_objects(parser, caption, triple):
+    graph = parse_one(parser, caption)
+    assert triple in relation_triples(graph)
+    assert not {"left", "right"} & set(texts(graph.object_spans()))
+
+
+@pytest.mark.parametrize("caption, triple", [
+    ("a table with a vase on it", ("vase", "on", "table")),
+    ("a man with a dog next to him", ("dog", "next to", "man")),
+    ("a plate with a spoon beside it", ("spoon", "beside", "plate")),
+    ("a small purple square with a yellow square over it", ("square", "over", "square")),
+])
+def test_pronoun_objects_refer_to_an_earlier_object_other_than_the_subject(parser, caption, triple):
+    graph = parse_one(parser, caption)
+    assert triple in relation_triples(graph)
+    relation = next(r for r in graph.relations if " ".join(texts(r.words)) == triple[1])
+    assert relation.subject != relation.object
+
+
+@pytest.mark.parametrize("caption, attributes", [
+    ("a tennis player in an orange skirt walks off the court", {"skirt": ["orange"]}),   # "orange" a compound
+    ("a dog laying next to an orange frisbee", {"frisbee": ["orange"]}),
+])
+def test_colour_adjective_compounds_are_attributes(parser, caption, attributes):
+    graph = parse_one(parser, caption)
+    found = {e.head.text: texts(e.attributes) for e in graph.entities}
+    assert {k: found.get(k) for k in attributes} == attributes
+
+
+@pytest.mark.parametrize("caption, noun", [
+    ("a small purple square beneath a blue circle", "square"),   # "square" tagged as an adjective
+    ("a croissant on a plate near a beverage on a table", "croissant"),
+])
+def test_an_adjective_tagged_word_with_an_article_ending_its_phrase_is_a_noun(parser, caption, noun):
+    assert noun in texts(parse_one(parser, caption).object_spans())
+
+
 # ----- API ---------------------------------------------------------------------------------------------------
 def test_dict_round_trip_through_json(parser):
     graphs = parser.parse(["A young girl in a white top poses with a yellow tennis racket.", "", "a dog next to a dog"])

@@ -1,7 +1,8 @@
 """Evaluation benchmarks by name (`BENCHMARKS`); each reads its official file format from a local root.
 
 The order here is the order of `--all` and of the results tables: compositional benchmarks first, then
-retrieval, zero-shot classification and the text-only STS probes.
+retrieval, zero-shot classification and the text-only STS probes. `COMBINED` holds the aggregates a paper
+reports over several of them (What'sUp's Table 1 averages), computed when all their parts are in a run.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from datamodules.benchmarks.sugarcrepe import SugarCrepe
 from datamodules.benchmarks.two_by_two import BiSCoRCtrl, BiVLC, ShapesSwap, Winoground
 from datamodules.benchmarks.valse import Valse
 from datamodules.benchmarks.vlchecklist import VLCheckList
-from datamodules.benchmarks.whatsup import (WhatsUpA, WhatsUpB, WhatsUpCocoOne, WhatsUpCocoTwo, WhatsUpGqaOne,
-                                            WhatsUpGqaTwo)
+from datamodules.benchmarks.combined import CombinedAggregate
+from datamodules.benchmarks.whatsup import (WHATSUP_COMBINED, WhatsUpA, WhatsUpB, WhatsUpCocoOne, WhatsUpCocoTwo,
+                                            WhatsUpGqaOne, WhatsUpGqaTwo)
 from datamodules.benchmarks.zeroshot import ZeroShotClassification
 
 BENCHMARKS: Dict[str, Type[Benchmark]] = {cls.name: cls for cls in (
@@ -24,6 +26,9 @@ BENCHMARKS: Dict[str, Type[Benchmark]] = {cls.name: cls for cls in (
     WhatsUpA, WhatsUpB, WhatsUpCocoOne, WhatsUpCocoTwo, WhatsUpGqaOne, WhatsUpGqaTwo,
     Winoground, BiVLC, BiSCoRCtrl, ShapesSwap,
     CocoRetrieval, Flickr30kRetrieval, ZeroShotClassification, SickR, STSB)}
+
+# Numbers a paper reports over several of the benchmarks above, in results-table order (`combined.py`).
+COMBINED: Dict[str, CombinedAggregate] = {combined.name: combined for combined in WHATSUP_COMBINED}
 
 
 def build_benchmark(name: str, root, **options) -> Benchmark:
@@ -33,5 +38,5 @@ def build_benchmark(name: str, root, **options) -> Benchmark:
     return BENCHMARKS[name](root, **options)
 
 
-__all__ = ["BENCHMARKS", "Benchmark", "ImageRef", "Item", "ItemBenchmark", "MissingBenchmarkData",
-           "build_benchmark"]
+__all__ = ["BENCHMARKS", "COMBINED", "Benchmark", "CombinedAggregate", "ImageRef", "Item", "ItemBenchmark",
+           "MissingBenchmarkData", "build_benchmark"]

@@ -4,8 +4,16 @@ Official files: `<root>/<subset>.json`, each `{"<key>": {"filename", "caption", 
 keys that are not contiguous (`swap_obj` lost "108"), so items are read by key, never by range(len). Images
 are COCO val2017 (`<images>/<filename>`). An item is correct iff cos(image, caption) > cos(image, negative),
 strictly. Category numbers (replace / swap / add) are micro averages; both overall averages are reported:
-micro over all items (76.56 for CLIP ViT-B/32, as BiVLC reports) and macro over the 7 subsets (~73.0, as
-vl_compo and the TFLocal paper report).
+micro over all items and macro over the 7 subsets (as vl_compo and the TFLocal paper report).
+
+Reference numbers, OpenAI CLIP ViT-B/32 (from the BiVLC authors' per-item outcomes; tests pin both sets):
+- published, on the paper's 7,512 items: replace_obj 90.92, replace_att 80.08, replace_rel 69.20,
+  swap_obj 61.38, swap_att 63.96, add_obj 77.21, add_att 68.79; replace 80.76, swap 63.27, add 75.09;
+  micro 76.56 (as BiVLC reports); macro 73.08 (computed, not printed in the paper).
+- on the current official files (7,511 items): upstream removed swap_obj key "108" (`000000310622.jpg`, an
+  item CLIP gets right) after the paper, so the published swap_obj / swap / micro cannot be reached. The same
+  outcomes give swap_obj 61.22, swap 63.23, micro 76.55, macro 73.05; the other six subsets and replace /
+  add are unchanged. A correct implementation run on these files should match these, not the paper's.
 """
 from __future__ import annotations
 

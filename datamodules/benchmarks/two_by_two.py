@@ -14,8 +14,9 @@ shapes world's 2-way caption accuracy, is recomputed from stored outcomes.
 from __future__ import annotations
 
 import json
+import re
 from abc import abstractmethod
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -61,6 +62,15 @@ class TwoByTwoBenchmark(ItemBenchmark):
 
     outcome_fields: tuple[str, ...] = ()
 
+    def check_files(self) -> None:
+        # As Benchmark.check_files, except that an alternative may be a glob pattern (shard names vary between
+        # dataset revisions), present when it matches a file; `Benchmark.check_files` tests `exists()` only.
+        missing = [name for name in self.required_files()
+                   if not any(option_present(self.root, option) for option in name.split("|"))]
+        if missing:
+            raise MissingBenchmarkData(f"{self.name}: {self.root} lacks {', '.join(missing)}; expected files: "
+                                       f"{', '.join(self.required_files())}")
+
     def items(self) -> list[Item]:
         return self._items
 
@@ -105,10 +115,43 @@ def require_columns(path: Path, columns: Sequence[str]) -> None:
     require(not missing, f"{path}: missing column(s) {', '.join(missing)}")
 
 
+# ---------------------------------------------------------------- parquet test shards (Winoground, BiVLC)
+
+# Where a Hugging Face dataset's test split lies as parquet, in order of preference: the repository's own files
+# (`data/test-*`, all a dataset card promises: one shard or several, some revisions add a hash to the name),
+# then the hub's converted-parquet branch `refs/convert/parquet` (`<config>/test/0000.parquet`, ...).
+TEST_SHARD_PATTERNS = ("data/test-*.parquet", "*/test/*.parquet")
+GLOB_CHARACTERS = re.compile(r"[*?[]")
+
+
+def find_test_shards(root: Path) -> list[Path]:
+    """The test split's parquet shards under root, in name order, from the first pattern that matches a file.
+
+    Only one layout is read, since a folder holding both would otherwise count every item twice; and only one
+    folder of it: shards of two converted configs are an error, not a silent concatenation.
+    """
+    root = Path(root)
+    for pattern in TEST_SHARD_PATTERNS:
+        shards = sorted(path for path in root.glob(pattern) if path.is_file())
+        if shards:
+            folders = sorted({str(shard.parent.relative_to(root)) for shard in shards})
+            require(len(folders) == 1, f"{root}: test shards in several folders ({', '.join(folders)}); "
+                                       "keep one config's shards under root")
+            return shards
+    return []
+
+
+def option_present(root: Path, option: str) -> bool:
+    """Whether one alternative of a required file is there: a path that exists, or a pattern matching a file."""
+    option = option.strip()
+    if GLOB_CHARACTERS.search(option):
+        return any(path.is_file() for path in root.glob(option))
+    return (root / option).exists()
+
+
 # ---------------------------------------------------------------- Winoground
 
 WINOGROUND_JSONL = "data/examples.jsonl"
-WINOGROUND_PARQUET = "data/test-00000-of-00001.parquet"
 WINOGROUND_FIELDS = {"id": int, "caption_0": str, "caption_1": str, "tag": str, "secondary_tag": (str, type(None)),
                      "num_main_preds": int, "collapsed_tag": str}
 
@@ -117,13 +160,15 @@ class Winoground(TwoByTwoBenchmark):
     """Winoground (400 items), from the Hugging Face dataset files `facebook/winoground`.
 
     Two layouts are read: `data/examples.jsonl` whose `image_0` / `image_1` are names without extension,
-    the images being `<images>/<name>.png` (unzipped `data/images.zip`), or the parquet
-    `data/test-00000-of-00001.parquet` with the images embedded.
+    the images being `<images>/<name>.png` (unzipped `data/images.zip`), or parquet with the images embedded:
+    the repository's `data/test-*.parquet` (today the one file `data/test-00000-of-00001.parquet`; the card
+    promises only the prefix) or the hub's converted `<config>/test/*.parquet` (`default/test/0000.parquet`).
+    Several shards are read in name order (`find_test_shards`); ids must be unique across them.
 
     Args:
-        root: the dataset folder (holding `data/`).
+        root: the dataset folder (holding `data/`, or `default/` for the converted parquet).
         images: folder of the PNG images for the JSONL layout; default `<root>/data/images`.
-        source: "jsonl", "parquet" or "auto" (the parquet file when present, else the JSONL file).
+        source: "jsonl", "parquet" or "auto" (the parquet shards when present, else the JSONL file).
 
     Aggregates: `text`, `image`, `group` overall; `<score>/<collapsed_tag>` (Object, Relation, Both),
     `<score>/tag/<tag>` and `<score>/main_preds_<n>` per group; `ties`, `n`.
@@ -138,12 +183,20 @@ class Winoground(TwoByTwoBenchmark):
         super().__init__(root)
         require(source in ("auto", "jsonl", "parquet"), f"source must be auto, jsonl or parquet, got {source!r}")
         if source == "auto":
-            source = "parquet" if (self.root / WINOGROUND_PARQUET).exists() else "jsonl"
+            source = "parquet" if find_test_shards(self.root) else "jsonl"
         self.source = source
+        self._check_source_files()
         self.images = Path(images) if images else self.root / "data" / "images"
 
     def required_files(self) -> list[str]:
-        return [f"{WINOGROUND_JSONL} | {WINOGROUND_PARQUET}"]
+        return [" | ".join((WINOGROUND_JSONL, *TEST_SHARD_PATTERNS))]
+
+    def _check_source_files(self) -> None:
+        # check_files accepts either layout; an explicit source needs its own.
+        expected = " | ".join(TEST_SHARD_PATTERNS) if self.source == "parquet" else WINOGROUND_JSONL
+        if not any(option_present(self.root, option) for option in expected.split("|")):
+            raise MissingBenchmarkData(f"{self.name}: source={self.source!r} but {self.root} lacks {expected}; "
+                                       f"expected files: {expected}")
 
     def read_items(self) -> list[Item]:
         return self._parquet_items() if self.source == "parquet" else self._jsonl_items()
@@ -159,13 +212,17 @@ class Winoground(TwoByTwoBenchmark):
         return items
 
     def _parquet_items(self) -> list[Item]:
-        path = self.root / WINOGROUND_PARQUET
-        require_columns(path, [*WINOGROUND_FIELDS, "image_0", "image_1"])
         items = []
-        for row, record in enumerate(read_parquet_rows(path, WINOGROUND_FIELDS)):
-            require_fields(record, WINOGROUND_FIELDS, f"{path}: row {row}")
-            images = [ImageRef(str(path), member=f"{column}:{row}") for column in ("image_0", "image_1")]
-            items.append(self._item(record, images))
+        for shard in find_test_shards(self.root):
+            require_columns(shard, [*WINOGROUND_FIELDS, "image_0", "image_1"])
+            for row, record in enumerate(read_parquet_rows(shard, WINOGROUND_FIELDS)):
+                require_fields(record, WINOGROUND_FIELDS, f"{shard}: row {row}")
+                images = [ImageRef(str(shard), member=f"{column}:{row}") for column in ("image_0", "image_1")]
+                items.append(self._item(record, images))
+        # Shards of two dataset revisions side by side in data/ would repeat every id.
+        repeated = sorted(item_id for item_id, count in Counter(item.id for item in items).items() if count > 1)
+        require(not repeated, f"{self.root}: ids repeat across the test shards (e.g. {repeated[:3]}); "
+                              "keep one revision's shards")
         return items
 
     @staticmethod
@@ -184,7 +241,6 @@ class Winoground(TwoByTwoBenchmark):
 
 # ---------------------------------------------------------------- BiVLC
 
-BIVLC_SHARDS = "data/test-*.parquet"
 BIVLC_TEXT_COLUMNS = ("caption", "negative_caption", "type", "subtype")
 BIVLC_NAMES = {"text": "I2T", "image": "T2I", "group": "Group"}
 
@@ -193,12 +249,13 @@ class BiVLC(TwoByTwoBenchmark):
     """BiVLC (Miranda et al., 2024; 2,933 items) from the Hugging Face dataset `imirandam/BiVLC`.
 
     Files: `data/test-0000k-of-0000N.parquet` (two shards in the current release; older revisions add a hash
-    to the name, so any `data/test-*.parquet` is read, in name order). Columns `image` and `negative_image`
-    are embedded images; C0 = `caption`, C1 = `negative_caption`, I0 = `image`, I1 = `negative_image`.
-    An item's id is its row in the concatenated shards.
+    to the name, so any `data/test-*.parquet` is read), or the hub's converted `<config>/test/*.parquet`
+    (`default/test/0000.parquet`, ...); shards in name order (`find_test_shards`). Columns `image` and
+    `negative_image` are embedded images; C0 = `caption`, C1 = `negative_caption`, I0 = `image`,
+    I1 = `negative_image`. An item's id is its row in the concatenated shards.
 
     Args:
-        root: the dataset folder (holding `data/`).
+        root: the dataset folder (holding `data/`, or `default/` for the converted parquet).
 
     Aggregates: `I2T` (= text), `T2I` (= image), `Group` overall; `<score>/<type>` (replace, swap, add) and
     `<score>/<type>_<subtype>`; `ties`, `n`.
@@ -210,16 +267,10 @@ class BiVLC(TwoByTwoBenchmark):
     outcome_fields = ("type", "subtype")
 
     def required_files(self) -> list[str]:
-        return [BIVLC_SHARDS]
-
-    def check_files(self) -> None:
-        # The shard names vary between dataset revisions, so the requirement is a pattern, not a name.
-        if not self.shards():
-            raise MissingBenchmarkData(f"{self.name}: {self.root} lacks {BIVLC_SHARDS}; expected files: "
-                                       f"{BIVLC_SHARDS} (e.g. data/test-00000-of-00002.parquet)")
+        return [" | ".join(TEST_SHARD_PATTERNS)]
 
     def shards(self) -> list[Path]:
-        return sorted(self.root.glob(BIVLC_SHARDS))
+        return find_test_shards(self.root)
 
     def read_items(self) -> list[Item]:
         items: list[Item] = []
