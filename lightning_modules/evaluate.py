@@ -30,7 +30,7 @@ import yaml
 from datamodules.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
 from lightning_modules.evaluation import (AGGREGATES_FILE, available_benchmarks, build_benchmarks,
                                           combined_aggregates, default_roots, log_to_tensorboard, markdown_tables,
-                                          reaggregate, run_all, write_results)
+                                          reaggregate, rewrite_tables, run_all, write_results)
 from lightning_modules.scorers import PRECISIONS, ClipScorer, Scorer
 from lightning_modules.sgi import SGIScorer
 from lightning_modules.tflocal import AlignerScorer, is_aligner_export
@@ -192,10 +192,13 @@ def select_benchmarks(args: argparse.Namespace):
 
 
 def print_reaggregated(folder: Path) -> None:
-    """Each benchmark's aggregates recomputed from its stored outcomes, then the combined aggregates of those."""
+    """Each benchmark's aggregates recomputed from its stored outcomes, then the combined aggregates of those;
+    the folder's aggregates.json, results.md and results.csv are written again from them."""
     aggregates = reaggregate(folder)
     for name, values in {**aggregates, **combined_aggregates(aggregates)}.items():
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()})
+    rewrite_tables(folder)
+    print(f"rewrote {AGGREGATES_FILE}, results.md and results.csv in {folder}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List:
@@ -215,10 +218,13 @@ def main(argv: Optional[Sequence[str]] = None) -> List:
         raise SystemExit(str(err)) from None
     out = output_dir(args)
     metadata = {**scorer.describe(), "benchmarks": ",".join(benchmarks)}
-    write_results(out, results, metadata)
+    folder = write_results(out, results, metadata)
     if args.tensorboard is not None:
         log_to_tensorboard(results, tensorboard_dir(args, out))
     print(markdown_tables(results, metadata))
+    earlier = sorted({r.name for r in folder} - {r.name for r in results})
+    if earlier:
+        print(f"{out} also holds earlier results of {', '.join(earlier)}; its tables list them all")
     print(f"per-item outcomes and {AGGREGATES_FILE} in {out}")
     return results
 

@@ -84,21 +84,69 @@ def available_benchmarks(roots: Mapping[str, Path], options: Mapping[str, Mappin
     return built, skipped
 
 
-def write_results(out_dir: Path, results: Sequence[BenchmarkResult], metadata: Mapping[str, object]) -> None:
-    """Outcomes JSONL per benchmark, then aggregates JSON, Markdown and CSV for the run (atomic writes)."""
+def write_results(out_dir: Path, results: Sequence[BenchmarkResult], metadata: Mapping[str, object]
+                  ) -> List[BenchmarkResult]:
+    """Outcomes JSONL per benchmark of this run, then aggregates JSON, Markdown and CSV of the whole folder.
+
+    A folder accumulates: this run adds or replaces its own benchmarks, and the tables list every benchmark
+    whose outcomes are in the folder (earlier ones recomputed from their stored outcomes), each with the
+    metadata of the run that scored it. Returns the folder's results, in registry order.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     for result in results:
         (out_dir / result.name).mkdir(exist_ok=True)
         lines = "".join(json.dumps(outcome, sort_keys=True) + "\n" for outcome in result.outcomes)
         atomic_write_text(out_dir / result.name / OUTCOMES_FILE, lines)
+    folder, scored_by = folder_results(out_dir, results, metadata)
+    write_tables(out_dir, folder, scored_by, metadata)
+    return folder
+
+
+def stored_document(out_dir: Path) -> dict:
+    """The folder's aggregates.json as written by an earlier run ({} when there is none)."""
+    path = Path(out_dir) / AGGREGATES_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def folder_results(out_dir: Path, results: Sequence[BenchmarkResult], metadata: Mapping[str, object]
+                   ) -> tuple[List[BenchmarkResult], Dict[str, Mapping[str, object]]]:
+    """This run's results plus every other benchmark stored in the folder, and who scored each."""
+    stored = stored_document(out_dir)
+    earlier = stored.get("benchmarks", {})
+    new = {result.name: result for result in results}
+    scored_by: Dict[str, Mapping[str, object]] = {name: dict(metadata) for name in new}
+    folder = dict(new)
+    for name, aggregates in reaggregate(out_dir).items():
+        if name in new:
+            continue
+        entry = earlier.get(name, {})
+        folder[name] = BenchmarkResult(name, read_outcomes(out_dir / name / OUTCOMES_FILE), aggregates,
+                                       float(entry.get("seconds", 0.0)))
+        scored_by[name] = entry.get("metadata", stored.get("metadata", {}))
+    order = list(BENCHMARKS)
+    names = sorted(folder, key=order.index)
+    return [folder[name] for name in names], {name: scored_by[name] for name in names}
+
+
+def write_tables(out_dir: Path, results: Sequence[BenchmarkResult], scored_by: Mapping[str, Mapping[str, object]],
+                 metadata: Mapping[str, object]) -> None:
+    """aggregates.json, results.md and results.csv of `results` (atomic writes)."""
     document = {"metadata": dict(metadata),
                 "benchmarks": {r.name: {"aggregates": r.aggregates, "items": len(r.outcomes),
-                                        "seconds": round(r.seconds, 3)} for r in results},
+                                        "seconds": round(r.seconds, 3), "metadata": dict(scored_by[r.name])}
+                               for r in results},
                 "combined": {name: {"aggregates": aggregates, "parts": list(COMBINED[name].parts)}
                              for name, aggregates in results_combined(results).items()}}
     atomic_write_text(out_dir / AGGREGATES_FILE, json.dumps(_finite(document), indent=2, sort_keys=True))
-    atomic_write_text(out_dir / "results.md", markdown_tables(results, metadata))
+    atomic_write_text(out_dir / "results.md", markdown_tables(results, metadata, scored_by))
     atomic_write_text(out_dir / "results.csv", csv_table(results))
+
+
+def rewrite_tables(out_dir: Path) -> List[BenchmarkResult]:
+    """`--reaggregate`: the folder's tables recomputed from its stored outcomes and written again."""
+    folder, scored_by = folder_results(out_dir, [], {})
+    write_tables(out_dir, folder, scored_by, stored_document(out_dir).get("metadata", {}))
+    return folder
 
 
 def combined_aggregates(aggregates: Mapping[str, Mapping[str, object]]) -> Dict[str, Dict[str, float]]:
@@ -132,12 +180,17 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, object]) -> str:
-    """A headline table (one row per benchmark, then one per combined aggregate) and a full table for each."""
+def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, object],
+                    scored_by: Optional[Mapping[str, Mapping[str, object]]] = None) -> str:
+    """A headline table (one row per benchmark, then one per combined aggregate) and a full table for each.
+    Benchmarks scored by a run with other metadata (an earlier evaluation into the same folder) say so."""
     combined = results_combined(results)
     items = {result.name: len(result.outcomes) for result in results}
-    lines = ["# Evaluation results", "", ", ".join(f"{k}: {v}" for k, v in metadata.items()), "",
-             "| benchmark | items | headline |", "|---|---:|---|"]
+    lines = ["# Evaluation results", "", _describe(metadata), ""]
+    others = {name: meta for name, meta in (scored_by or {}).items() if dict(meta) != dict(metadata)}
+    lines += [f"- {name} was scored by an earlier run: {_describe(meta)}" for name, meta in others.items()]
+    lines += [""] if others else []
+    lines += ["| benchmark | items | headline |", "|---|---:|---|"]
     for result in results:
         lines.append(_headline_row(result.name, items[result.name], BENCHMARKS[result.name].headline,
                                    result.aggregates))
@@ -150,6 +203,10 @@ def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, o
     for name, aggregates in combined.items():
         lines += _full_table(name, COMBINED[name].description, aggregates)
     return "\n".join(lines) + "\n"
+
+
+def _describe(metadata: Mapping[str, object]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in metadata.items())
 
 
 def _headline_row(name: str, items: int, headline: Sequence[str], aggregates: Mapping[str, object]) -> str:

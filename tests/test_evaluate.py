@@ -216,3 +216,34 @@ def test_valse_coreference_hard_images_are_not_coco(tmp_path):
     assert visdial and all(coco_id_from_name(ref.path) is None for ref in visdial)
     coco_named = [ref for ref in refs if Path(ref.path).name.startswith("COCO_")]
     assert coco_named and all(coco_id_from_name(ref.path) is not None for ref in coco_named)
+
+
+def test_evaluations_into_one_folder_accumulate_and_reaggregate_restores_the_tables(tiny_run, data_root, tmp_path):
+    from datamodules.benchmarks.standin.sts import write_sickr
+
+    assert write_sickr(data_root / "sickr", n_items=12) == {}
+    out = tmp_path / "eval"
+    common = ["--run", str(tiny_run), "--data-root", str(data_root), "--out", str(out), "--num-workers", "0",
+              "--no-progress"]
+    evaluate.main([*common, "--benchmarks", "sugarcrepe"])
+    first = json.loads((out / "aggregates.json").read_text())["benchmarks"]["sugarcrepe"]
+    evaluate.main([*common, "--benchmarks", "sickr"])
+
+    def tables():
+        document = json.loads((out / "aggregates.json").read_text())
+        with open(out / "results.csv", newline="") as handle:
+            csv_names = {row["benchmark"] for row in csv.DictReader(handle)}
+        return document, csv_names, (out / "results.md").read_text()
+
+    document, csv_names, markdown = tables()
+    assert set(document["benchmarks"]) == {"sugarcrepe", "sickr"} == csv_names
+    assert document["benchmarks"]["sugarcrepe"]["aggregates"] == pytest.approx(first["aggregates"])
+    assert document["benchmarks"]["sugarcrepe"]["items"] == 28
+    assert "| sugarcrepe | 28 |" in markdown and "| sickr | 12 |" in markdown
+    evaluate.main([*common, "--benchmarks", "sugarcrepe"])  # a rerun replaces its own benchmark only
+    assert set(tables()[0]["benchmarks"]) == {"sugarcrepe", "sickr"}
+    for name in ("aggregates.json", "results.md", "results.csv"):
+        (out / name).unlink() if name != "aggregates.json" else None
+    evaluate.main(["--reaggregate", str(out)])
+    restored, csv_names, markdown = tables()
+    assert set(restored["benchmarks"]) == {"sugarcrepe", "sickr"} == csv_names and "| sickr | 12 |" in markdown
