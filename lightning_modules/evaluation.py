@@ -136,10 +136,10 @@ def write_tables(out_dir: Path, results: Sequence[BenchmarkResult], scored_by: M
                                         "seconds": round(r.seconds, 3), "metadata": dict(scored_by[r.name])}
                                for r in results},
                 "combined": {name: {"aggregates": aggregates, "parts": list(COMBINED[name].parts)}
-                             for name, aggregates in results_combined(results).items()}}
+                             for name, aggregates in results_combined(results, scored_by).items()}}
     atomic_write_text(out_dir / AGGREGATES_FILE, json.dumps(_finite(document), indent=2, sort_keys=True))
     atomic_write_text(out_dir / "results.md", markdown_tables(results, metadata, scored_by))
-    atomic_write_text(out_dir / "results.csv", csv_table(results))
+    atomic_write_text(out_dir / "results.csv", csv_table(results, scored_by))
 
 
 def rewrite_tables(out_dir: Path) -> List[BenchmarkResult]:
@@ -155,14 +155,24 @@ def combined_aggregates(aggregates: Mapping[str, Mapping[str, object]]) -> Dict[
             if combined.applies_to(aggregates)}
 
 
-def results_combined(results: Iterable[BenchmarkResult]) -> Dict[str, Dict[str, float]]:
-    """The combined aggregates of a run's results."""
-    return combined_aggregates({result.name: result.aggregates for result in results})
+def results_combined(results: Iterable[BenchmarkResult],
+                     scored_by: Optional[Mapping[str, Mapping[str, object]]] = None) -> Dict[str, Dict[str, float]]:
+    """The combined aggregates of the results; with `scored_by` (a folder holding several runs' benchmarks),
+    only those whose parts were all scored by one run: a mean never mixes two models."""
+    combined = combined_aggregates({result.name: result.aggregates for result in results})
+    if scored_by is None:
+        return combined
+    return {name: values for name, values in combined.items() if _one_run(COMBINED[name].parts, scored_by)}
 
 
-def named_aggregates(results: Sequence[BenchmarkResult]) -> Dict[str, Mapping[str, object]]:
+def _one_run(parts: Sequence[str], scored_by: Mapping[str, Mapping[str, object]]) -> bool:
+    return all(dict(scored_by.get(part, {})) == dict(scored_by.get(parts[0], {})) for part in parts)
+
+
+def named_aggregates(results: Sequence[BenchmarkResult],
+                     scored_by: Optional[Mapping[str, Mapping[str, object]]] = None) -> Dict[str, Mapping[str, object]]:
     """Each benchmark's aggregates, then each applicable combined aggregate's, by name (names never collide)."""
-    return {**{result.name: result.aggregates for result in results}, **results_combined(results)}
+    return {**{result.name: result.aggregates for result in results}, **results_combined(results, scored_by)}
 
 
 def _finite(value):
@@ -184,7 +194,7 @@ def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, o
                     scored_by: Optional[Mapping[str, Mapping[str, object]]] = None) -> str:
     """A headline table (one row per benchmark, then one per combined aggregate) and a full table for each.
     Benchmarks scored by a run with other metadata (an earlier evaluation into the same folder) say so."""
-    combined = results_combined(results)
+    combined = results_combined(results, scored_by)
     items = {result.name: len(result.outcomes) for result in results}
     lines = ["# Evaluation results", "", _describe(metadata), ""]
     others = {name: meta for name, meta in (scored_by or {}).items() if dict(meta) != dict(metadata)}
@@ -219,12 +229,13 @@ def _full_table(name: str, description: str, aggregates: Mapping[str, object]) -
             + [f"| {key} | {_fmt(value)} |" for key, value in aggregates.items()])
 
 
-def csv_table(results: Sequence[BenchmarkResult]) -> str:
+def csv_table(results: Sequence[BenchmarkResult],
+              scored_by: Optional[Mapping[str, Mapping[str, object]]] = None) -> str:
     """Long format: benchmark (or combined aggregate), metric, value (empty for an undefined value)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["benchmark", "metric", "value"])
-    for name, aggregates in named_aggregates(results).items():
+    for name, aggregates in named_aggregates(results, scored_by).items():
         for key, value in aggregates.items():
             finite = not isinstance(value, float) or math.isfinite(value)
             writer.writerow([name, key, value if finite else ""])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from datamodules.benchmarks import BENCHMARKS, build_benchmark
+from datamodules.benchmarks import BENCHMARKS, COMBINED, CombinedAggregate, build_benchmark
 from datamodules.benchmarks.standin import STANDINS
 from lightning_modules import evaluate
 from lightning_modules.evaluation import reaggregate, run_benchmark
@@ -24,6 +24,16 @@ def test_every_benchmark_has_a_stand_in_writer_and_a_headline():
     assert set(STANDINS) == set(BENCHMARKS)
     for name, cls in BENCHMARKS.items():
         assert cls.name == name and cls.headline and cls.description, name
+
+
+def test_every_combined_aggregate_averages_headline_keys_of_registered_benchmarks():
+    assert COMBINED, "the What'sUp Table 1 averages are registered"
+    for name, combined in COMBINED.items():
+        assert combined.name == name and name not in BENCHMARKS and combined.description, name
+        for part in combined.parts:
+            assert set(combined.keys) <= set(BENCHMARKS[part].headline), (name, part)
+    with pytest.raises(ValueError, match="two or more distinct parts"):
+        CombinedAggregate("lonely", "one part", ("whatsup_a",), ("accuracy",))
 
 
 def same(a, b) -> bool:
@@ -60,3 +70,4 @@ def test_all_over_every_stand_in(tmp_path):
     for name in BENCHMARKS:
         stored = document["benchmarks"][name]["aggregates"]
         assert all(same(float("nan") if stored[k] is None else stored[k], v) for k, v in recomputed[name].items())
+    assert list(document["combined"]) == list(COMBINED)  # every part of each was run

@@ -258,7 +258,8 @@ def test_table_1_averages_through_the_cli_results_files_and_reaggregate(tmp_path
     gqa = document["combined"]["whatsup_gqa_spatial"]["aggregates"]["accuracy"]
     assert gqa == pytest.approx((sets["whatsup_gqa_one"]["accuracy"] + sets["whatsup_gqa_two"]["accuracy"]) / 2)
     markdown = (out / "results.md").read_text()
-    assert "| whatsup_ab = mean(whatsup_a, whatsup_b) | 16 | accuracy " in markdown and "## whatsup_six_sets" in markdown
+    assert "| whatsup_ab = mean(whatsup_a, whatsup_b) | 16 | accuracy " in markdown
+    assert "## whatsup_six_sets" in markdown
     with open(out / "results.csv", newline="") as handle:
         rows = {(row["benchmark"], row["metric"]): row["value"] for row in csv.DictReader(handle)}
     assert float(rows["whatsup_coco_spatial", "accuracy"]) == pytest.approx(

@@ -247,3 +247,16 @@ def test_evaluations_into_one_folder_accumulate_and_reaggregate_restores_the_tab
     evaluate.main(["--reaggregate", str(out)])
     restored, csv_names, markdown = tables()
     assert set(restored["benchmarks"]) == {"sugarcrepe", "sickr"} == csv_names and "| sickr | 12 |" in markdown
+
+
+def test_a_combined_aggregate_never_mixes_two_runs(tmp_path):
+    from lightning_modules.evaluation import BenchmarkResult, markdown_tables, results_combined
+
+    parts = [BenchmarkResult(name, [], {"accuracy": value, "pair_accuracy": value, "set_accuracy": value}, 0.0)
+             for name, value in (("whatsup_a", 40.0), ("whatsup_b", 60.0))]
+    same = {"whatsup_a": {"model": "x"}, "whatsup_b": {"model": "x"}}
+    assert results_combined(parts, same)["whatsup_ab"]["accuracy"] == pytest.approx(50.0)
+    mixed = {"whatsup_a": {"model": "x"}, "whatsup_b": {"model": "y"}}
+    assert "whatsup_ab" not in results_combined(parts, mixed)
+    table = markdown_tables(parts, {"model": "y"}, mixed)
+    assert "whatsup_a was scored by an earlier run: model: x" in table and "whatsup_ab" not in table
