@@ -120,21 +120,27 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         return [(n, p) for n, p in self.clip.named_parameters() if p.requires_grad and n != "logit_scale"]
 
     def param_groups(self) -> List[dict]:
-        """AdamW groups: backbone (decay / no decay), heads (decay / no decay), logit_scale (explicit)."""
+        """AdamW groups: backbone and heads, each split into decay / no decay (ndim < 2) unless its
+        `optim.*_decay_1d` puts every parameter under decay; logit_scale in its own group."""
         o = self.cfg.optim
         head_warmup = o.warmup_steps if o.head_warmup_steps is None else o.head_warmup_steps
         backbone = dict(lr=o.lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps)
         head = dict(lr=o.head_lr, weight_decay=o.head_weight_decay, warmup_steps=head_warmup)
+        decay_1d = {"backbone": o.backbone_decay_1d, "head": o.head_decay_1d}
         groups = []
         for prefix, named, settings in (("backbone", self._backbone_parameters(), backbone),
                                         ("head", list(self.head_parameters()), head)):
+            if decay_1d[prefix]:
+                groups.append({**settings, "name": prefix, "params": [p for _, p in named]})
+                continue
             decay, no_decay = split_by_decay(named)
             groups.append({**settings, "name": prefix, "params": decay})
             groups.append({**settings, "name": f"{prefix}_no_decay", "params": no_decay, "weight_decay": 0.0})
         logit_settings = backbone if o.logit_scale_group == "backbone" else head
         if self.clip.logit_scale.requires_grad:
+            decay = logit_settings["weight_decay"] if decay_1d[o.logit_scale_group] else 0.0
             groups.append({**logit_settings, "name": "logit_scale", "params": [self.clip.logit_scale],
-                           "weight_decay": 0.0})
+                           "weight_decay": decay})
         return [g for g in groups if g["params"]]
 
     def configure_optimizers(self):

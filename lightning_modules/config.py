@@ -165,8 +165,15 @@ class OptimConfig:
     # Method heads (predictors, mask networks, aligners) get their own lr/wd group.
     head_lr: float = 1e-3
     head_weight_decay: float = 0.01
-    # Which group logit_scale belongs to: "backbone" or "head" (always without weight decay).
+    # Which group logit_scale belongs to: "backbone" or "head". It takes that group's weight decay only when
+    # the group's *_decay_1d is true (else none).
     logit_scale_group: str = "backbone"
+    # Weight decay on parameters with ndim < 2 (gains, biases, 1-d embeddings, mask tokens) too. Typical CLIP
+    # fine-tuning exempts them (false); some official recipes decay everything: SmartCLIP's AdamW decays all
+    # CLIP parameters (backbone_decay_1d), MACCO's head group decays predictor biases / LayerNorms, both mask
+    # tokens and logit_scale (head_decay_1d).
+    backbone_decay_1d: bool = False
+    head_decay_1d: bool = False
     warmup_steps: int = 50
     # Warmup of the head group (null = warmup_steps; SmartCLIP's mask net uses 0).
     head_warmup_steps: Optional[int] = None

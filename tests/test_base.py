@@ -54,6 +54,23 @@ def test_logit_scale_can_join_the_head_group():
     assert (groups["logit_scale"]["lr"], groups["logit_scale"]["weight_decay"]) == (1e-3, 0.0)
 
 
+def test_decay_1d_puts_every_parameter_of_a_group_under_weight_decay():
+    # SmartCLIP's original decays every CLIP parameter; MACCO's head group decays biases, LayerNorms, mask
+    # tokens and (there) logit_scale.
+    module = WithHead(tiny_cfg("optim.weight_decay=0.2", "optim.head_weight_decay=0.01", "optim.head_decay_1d=true",
+                               "optim.logit_scale_group=head"))
+    groups = groups_by_name(module)
+    assert set(groups) == {"backbone", "backbone_no_decay", "head", "logit_scale"}
+    head_ids = {id(p) for p in groups["head"]["params"]}
+    assert head_ids == {id(module.head.weight), id(module.head.bias), id(module.mask_token)}
+    assert groups["head"]["weight_decay"] == 0.01
+    assert (groups["logit_scale"]["lr"], groups["logit_scale"]["weight_decay"]) == (1e-3, 0.01)
+    groups = groups_by_name(WithHead(tiny_cfg("optim.weight_decay=0.01", "optim.backbone_decay_1d=true")))
+    assert set(groups) == {"backbone", "head", "head_no_decay", "logit_scale"}
+    assert any(p.ndim < 2 for p in groups["backbone"]["params"])
+    assert groups["backbone"]["weight_decay"] == groups["logit_scale"]["weight_decay"] == 0.01
+
+
 def test_warmup_then_cosine():
     values = [warmup_cosine(step, 4, 14, 0.1) for step in range(15)]
     assert values[:4] == [0.25, 0.5, 0.75, 1.0]
