@@ -28,6 +28,7 @@ from datamodules.annotations import (KARPATHY_TRAIN_SPLITS, CaptionRecord, exist
 from datamodules.cache import CacheError
 from datamodules.masks import CaptionMasks, PatchGeometry
 from datamodules.transforms import CropResize
+from datamodules.word_vocabulary import WordVocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,9 @@ class CocoCaptions(Dataset):
     A sample is a dict: `image` float [3, H, W] (from `transform`), `text` long [L], `image_id` and
     `caption_id` int, `truncated` bool (the caption was longer than the context length), `bad_image` bool
     (this sample stands in for one whose image could not be read), and with `num_hard_negatives` K > 0
-    `neg_text` long [K, L] (the annotation's first K negatives, cycled when it has fewer).
+    `neg_text` long [K, L] (the annotation's first K negatives, cycled when it has fewer). With masks (the
+    preprocessing cache), also bool [L] `obj_mask`, `comp_mask` (attribute and relation tokens), its split into
+    `attr_mask` / `rel_mask`, and `patch_mask` over the patch grid.
 
     Args:
         annotations: a COCO captions JSON, or a NegCLIP TSV when the path ends in `.tsv`.
@@ -286,9 +289,9 @@ class CocoCaptions(Dataset):
         """Box-aware crop of the image, the patch mask of one sampled phrase, and the token masks."""
         boxes = self.masks.draw_phrase_boxes(source, rng, self.geometry)
         pixels, crop = self.transform(image, boxes if boxes is not None else ())
-        obj_mask, comp_mask = self.masks.token_masks(source, self.context_length)
+        token_masks = self.masks.token_masks(source, self.context_length)
         patch_mask = self.masks.patch_mask(boxes, crop, rng, self.geometry)
-        return {"image": pixels, "obj_mask": torch.from_numpy(obj_mask), "comp_mask": torch.from_numpy(comp_mask),
+        return {"image": pixels, **{name: torch.from_numpy(mask) for name, mask in token_masks.items()},
                 "patch_mask": torch.from_numpy(patch_mask)}
 
     def _warn_once(self, index: int, err: UnreadableImageError) -> None:
@@ -447,6 +450,7 @@ class CocoDataModule(L.LightningDataModule):
         self.seed = seed
         self.train_dataset: Optional[CocoCaptions] = None
         self.val_dataset: Optional[CocoCaptions] = None
+        self._replacement_vocabulary: Optional[WordVocabulary] = None
 
     def setup(self, stage: str) -> None:
         """Build the training split for "fit" and the validation split for "fit" and "validate"."""
@@ -454,6 +458,16 @@ class CocoDataModule(L.LightningDataModule):
             self.train_dataset = self._build_split("train")
         if stage in ("fit", "validate") and self.val_dataset is None and self.data.val_annotations:
             self.val_dataset = self._build_split("val")
+
+    @property
+    def replacement_vocabulary(self) -> Optional[WordVocabulary]:
+        """CLIP-CAE's replacement words: the parsed words of the kept training captions, per kind (built once,
+        deterministically, from the cache records of `setup('fit')`); None without `data.masks`."""
+        masks = self.train_dataset.masks if self.train_dataset is not None else None
+        if self._replacement_vocabulary is None and masks is not None:
+            self._replacement_vocabulary = WordVocabulary.from_counts(masks.word_counts, self.tokenizer)
+            logger.info("replacement vocabulary (training captions' words): %s", self._replacement_vocabulary.sizes())
+        return self._replacement_vocabulary
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled, sharded over ranks, full batches only."""

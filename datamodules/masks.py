@@ -1,7 +1,8 @@
 """Per-sample text and patch masks from the preprocessing cache, in compact numpy form.
 
-Token masks (`obj_mask`, `comp_mask`) are computed once per caption when the dataset is built (the spans are
-fixed); the patch mask is drawn per sample: with probability `random_rectangle_prob` a random rectangle of
+Token masks (`obj_mask`, `comp_mask`, and `comp_mask` split into `attr_mask` / `rel_mask`) are computed once per
+caption when the dataset is built (the spans are fixed), together with the counts of the parsed words per kind
+(CLIP-CAE's replacement vocabulary, datamodules/word_vocabulary.py); the patch mask is drawn per sample: with probability `random_rectangle_prob` a random rectangle of
 the patch grid, otherwise the boxes of one phrase of the caption, sampled uniformly, mapped through the
 sample's crop (MACCO). Everything is stored in flat numpy arrays indexed by offsets, so forked DataLoader
 workers share it instead of copying Python objects.
@@ -9,12 +10,13 @@ workers share it instead of copying Python objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from datamodules.word_vocabulary import RELATION, count_words, record_word_kinds
 from parsers.grounding import boxes_to_patch_mask, random_rectangle_mask
-from parsers.token_alignment import caption_masks
+from parsers.token_alignment import caption_masks, spans_to_token_mask
 
 
 @dataclass
@@ -37,21 +39,29 @@ class CaptionMasks:
     """
 
     def __init__(self, records: Sequence[dict], tokenizer, context_length: int):
-        self.obj, self.comp = self._token_masks(records, tokenizer, context_length)
+        self.obj, self.comp, self.rel = self._token_masks(records, tokenizer, context_length)
         self.phrase_offsets, self.box_offsets, self.boxes = _flatten_phrase_boxes(records)
+        self.word_counts = count_words(records)  # kind code -> Counter of the parsed words' texts
 
     @staticmethod
-    def _token_masks(records: Sequence[dict], tokenizer, context_length: int) -> Tuple[np.ndarray, np.ndarray]:
+    def _token_masks(records: Sequence[dict], tokenizer,
+                     context_length: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         obj = np.zeros((len(records), context_length), dtype=bool)
-        comp = np.zeros_like(obj)
+        comp, rel = np.zeros_like(obj), np.zeros_like(obj)
         for row, record in enumerate(records):
-            obj[row], comp[row] = caption_masks(record["caption"], [tuple(s) for s in record["obj_spans"]],
+            caption = record["caption"]
+            obj[row], comp[row] = caption_masks(caption, [tuple(s) for s in record["obj_spans"]],
                                                 [tuple(s) for s in record["comp_spans"]], tokenizer, context_length)
-        return np.packbits(obj, axis=1), np.packbits(comp, axis=1)
+            relations = [span for span, kind in record_word_kinds(record).items() if kind == RELATION]
+            # relation tokens among the composition tokens (the rest of them are attribute tokens)
+            rel[row] = comp[row] & spans_to_token_mask(caption, relations, tokenizer, context_length)
+        return np.packbits(obj, axis=1), np.packbits(comp, axis=1), np.packbits(rel, axis=1)
 
-    def token_masks(self, index: int, context_length: int) -> Tuple[np.ndarray, np.ndarray]:
+    def token_masks(self, index: int, context_length: int) -> Dict[str, np.ndarray]:
+        """obj_mask, comp_mask and comp_mask's split into attr_mask / rel_mask (bool [context_length])."""
         unpack = lambda bits: np.unpackbits(bits, count=context_length).astype(bool)  # noqa: E731
-        return unpack(self.obj[index]), unpack(self.comp[index])
+        comp, rel = unpack(self.comp[index]), unpack(self.rel[index])
+        return {"obj_mask": unpack(self.obj[index]), "comp_mask": comp, "attr_mask": comp & ~rel, "rel_mask": rel}
 
     def phrase_boxes(self, index: int, phrase: int) -> np.ndarray:
         """Boxes [K, 4] (original pixels, xyxy) of the caption's `phrase`-th phrase."""

@@ -5,11 +5,19 @@ caption b), non-zero only on the content tokens 1..EOS-1 (SOT, EOS and padding a
 
 - `attention`: attn[EOS, t], averaged (or maxed) over heads and over the chosen layers;
 - `gradcam`: Chefer et al.'s relevance: R = I; for each layer from `start_layer`,
-  E = mean_heads(relu(dS/dA * A)), R <- R + E R; a_t = R[EOS, t];
-- `perturbation`: a_t = S(I, T) - S(I, T with t's word replaced by `replacement_id`), one forward per word,
-  batched;
+  E = mean_heads(relu(dS/dA * A)), R <- R + E R; a_t = R[EOS, t]. `start_layer` 0 aggregates every layer
+  (the CAE paper); -1 is the last layer only [ours];
+- `perturbation`: the drop S(I, T) - S(I, T'), batched over all perturbed captions T'. With
+  `replacement="kind"` (the CAE paper's expected drop when a word is replaced by other concepts) every
+  object / attribute / relation word is replaced by K words of its kind (`WordReplacements`, drawn by
+  `draw_word_replacements`), spliced in as their own BPE ids (lengths may differ; EOS moves with them), and
+  the K drops are averaged; words of no kind get 0. With `replacement="token"` [ours] every word's tokens are
+  replaced once by `replacement_id`;
 - `gradient`: a_t = sum_d |dS / de_{t,d}| over the token embedding e_t;
-- `grad_eclip`: Grad-ECLIP's text map (last `eclip_layers` blocks, EOS row, loosened attention).
+- `grad_eclip`: Grad-ECLIP's text map (last `eclip_layers` blocks, EOS row, loosened attention). The
+  published map re-runs the explained blocks with one full-width head (`heads="single"`) and min-max scales
+  lambda over all context positions, padding included (`text_lambda_range="all_positions"`, which encodes the
+  untrimmed text); `heads="multi"` and `"up_to_eos"` are ours.
 
 S(I, T) is the cosine of the L2-normalised image and text embeddings of the pair. The gradient-based
 methods take `create_graph=True` during training, so the attribution (and a loss on it) is differentiable
@@ -20,7 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +41,10 @@ from lightning_modules.config import AttributionConfig as AttributionOptions
 from lightning_modules.encoders import AttentionTrace, CLIPEncoders, TextFeatures, run_block
 
 HEADS = ("multi", "single")
+TEXT_LAMBDA_RANGES = ("all_positions", "up_to_eos")
+REPLACEMENTS = ("kind", "token")
+# Token kind codes (as datamodules/word_vocabulary.py): 0 none, then object, attribute, relation.
+OBJECT, ATTRIBUTE, RELATION = 1, 2, 3
 
 
 def attribution_options(section) -> AttributionOptions:
@@ -51,6 +65,7 @@ class TextAttributionInputs:
     image: Tensor  # [B, D], L2-normalised image embeddings of the pairs
     text: TextFeatures  # from encoders.encode_text(ids, attn=True)
     word_ends: Optional[Tensor] = None  # [vocab] bool: the token ends a word (perturbation's word groups)
+    replacements: Optional["WordReplacements"] = None  # perturbation with replacement="kind"
     extra: Dict[str, Tensor] = field(default_factory=dict)
 
     @cached_property
@@ -187,7 +202,16 @@ def word_groups(ids: Tensor, word_ends: Optional[Tensor]) -> Tensor:
 
 def perturbation_attribution(inputs: TextAttributionInputs, options: AttributionOptions,
                              create_graph: bool = False) -> Tensor:
-    """S(I, T) - S(I, T without word w) for every token of word w; all perturbed captions batched."""
+    """Similarity drop per word: K same-kind replacements averaged ("kind"), or one token ("token")."""
+    if options.replacement == "kind":
+        return _kind_perturbation(inputs, options)
+    if options.replacement == "token":
+        return _token_perturbation(inputs, options)
+    raise ValueError(f"replacement must be one of {REPLACEMENTS}, got {options.replacement!r}")
+
+
+def _token_perturbation(inputs: TextAttributionInputs, options: AttributionOptions) -> Tensor:
+    """[ours] S(I, T) - S(I, T with word w's tokens all set to `replacement_id`), for every token of w."""
     if options.replacement_id >= int(inputs.ids.max()):
         raise ValueError(f"replacement_id {options.replacement_id} would be taken for the EOS token (open_clip "
                          f"pools the largest id); use an ordinary token such as 0 (padding)")
@@ -196,15 +220,154 @@ def perturbation_attribution(inputs: TextAttributionInputs, options: Attribution
     length = int(inputs.eos.max()) + 1  # causal tower, EOS pooling: later positions change nothing
     perturbed = inputs.ids[sample, :length].clone()
     perturbed[groups[sample, :length] == word.unsqueeze(1)] = options.replacement_id
-    drops = []
-    for start in range(0, len(sample), options.chunk_size):
-        chunk = slice(start, start + options.chunk_size)
+    drop = inputs.target[sample] - _perturbed_similarity(inputs, perturbed, sample, options.chunk_size)
+    return _spread_over_words(inputs, groups, sample, word, drop)
+
+
+def _kind_perturbation(inputs: TextAttributionInputs, options: AttributionOptions) -> Tensor:
+    """The CAE paper's expected drop: mean over K same-kind replacement words of S(I, T) - S(I, T_k)."""
+    replacements = inputs.replacements
+    if replacements is None:
+        raise ValueError("perturbation with replacement='kind' needs the replacement words (WordReplacements, "
+                         "see draw_word_replacements: word kinds from data.masks=true and the training "
+                         "captions' vocabulary); replacement='token' needs neither")
+    groups = word_groups(inputs.ids, inputs.word_ends)
+    count = replacements.lengths.shape[1]
+    sample = replacements.sample.repeat_interleave(count)
+    word = replacements.word.repeat_interleave(count)
+    perturbed = splice_words(inputs.ids, groups, sample, word, replacements.ids.flatten(0, 1),
+                             replacements.lengths.flatten(), context_length(inputs.encoders))
+    drop = inputs.target[sample] - _perturbed_similarity(inputs, perturbed, sample, options.chunk_size)
+    mean_drop = drop.view(-1, count).mean(dim=1) if count else drop
+    return _spread_over_words(inputs, groups, replacements.sample, replacements.word, mean_drop)
+
+
+def _perturbed_similarity(inputs: TextAttributionInputs, perturbed: Tensor, sample: Tensor,
+                          chunk_size: int) -> Tensor:
+    """S(I_sample, perturbed caption) for every perturbed caption [P], `chunk_size` captions per forward."""
+    similarities = []
+    for start in range(0, len(sample), chunk_size):
+        chunk = slice(start, start + chunk_size)
         pooled = inputs.encoders.encode_text(perturbed[chunk]).pooled
-        drops.append(inputs.target[sample[chunk]] - pair_similarity(inputs.image[sample[chunk]], pooled))
-    drop = torch.cat(drops) if drops else inputs.target.new_zeros(0)
-    attribution = inputs.target.new_zeros(inputs.ids.shape)
-    token_of_pair = (groups[sample] == word.unsqueeze(1)).to(drop.dtype)  # [pairs, L]
-    return attribution.index_add(0, sample, token_of_pair * drop.unsqueeze(1))
+        similarities.append(pair_similarity(inputs.image[sample[chunk]], pooled))
+    return torch.cat(similarities) if similarities else inputs.target.new_zeros(0)
+
+
+def _spread_over_words(inputs: TextAttributionInputs, groups: Tensor, sample: Tensor, word: Tensor,
+                       value: Tensor) -> Tensor:
+    """[B, L] with value[p] at every token of word `word[p]` of caption `sample[p]`, 0 elsewhere."""
+    token_of_pair = (groups[sample] == word.unsqueeze(1)).to(value.dtype)  # [pairs, L]
+    return inputs.target.new_zeros(inputs.ids.shape).index_add(0, sample, token_of_pair * value.unsqueeze(1))
+
+
+def context_length(encoders: CLIPEncoders) -> int:
+    """Positions of the text tower (77 for CLIP)."""
+    return encoders.model.positional_embedding.shape[0]
+
+
+def splice_words(ids: Tensor, groups: Tensor, sample: Tensor, word: Tensor, replacement: Tensor,
+                 lengths: Tensor, max_length: int) -> Tensor:
+    """Caption `sample[p]` with its word `word[p]` replaced by `replacement[p, :lengths[p]]`, for every p.
+
+    Args:
+        ids: [B, L] token ids (SOT ... EOS, 0-padded); groups: [B, L] `word_groups` of them.
+        sample, word: [P] which caption and which of its words; replacement: [P, M] ids, 0-padded;
+        lengths: [P] tokens of each replacement (>= 1).
+        max_length: the tower's context length; a longer result keeps its first max_length - 1 tokens and ends
+            in EOS, as open_clip's tokenizer truncates.
+
+    Returns:
+        [P, N] spliced ids, N = the longest result (<= max_length), EOS right after the replacement's tail and
+        0-padding after it, so the causal tower pools the new EOS position.
+    """
+    span = groups[sample] == word.unsqueeze(1)  # [P, L]
+    start = span.to(torch.int64).argmax(dim=1)
+    removed = span.sum(dim=1)
+    eos = eos_positions(ids)[sample]
+    new_length = eos + 1 - removed + lengths
+    width = min(int(new_length.max()), max_length) if len(sample) else 1
+    position = torch.arange(width, device=ids.device).unsqueeze(0)  # [1, N]
+    offset = position - start.unsqueeze(1)
+    in_replacement = (offset >= 0) & (offset < lengths.unsqueeze(1))
+    source = torch.where(offset < 0, position, position - lengths.unsqueeze(1) + removed.unsqueeze(1))
+    original = ids[sample].gather(1, source.clamp(0, ids.shape[1] - 1))
+    inserted = replacement.gather(1, offset.clamp(0, replacement.shape[1] - 1))
+    spliced = torch.where(in_replacement, inserted, original)
+    spliced = torch.where(position < new_length.unsqueeze(1), spliced, torch.zeros_like(spliced))
+    too_long = new_length > max_length
+    if too_long.any():
+        eos_id = ids[sample, eos]
+        spliced[too_long, max_length - 1] = eos_id[too_long]
+    return spliced
+
+
+@dataclass
+class WordReplacements:
+    """K replacement words for each perturbed word of a batch (CAE's kind-preserving perturbation)."""
+
+    sample: Tensor  # [W] caption of each perturbed word
+    word: Tensor  # [W] its index among the caption's words (`word_groups` numbering)
+    ids: Tensor  # [W, K, M] the replacements' BPE ids, 0-padded
+    lengths: Tensor  # [W, K] tokens of each replacement
+
+
+def token_kinds(obj_mask: Tensor, attr_mask: Tensor, rel_mask: Tensor) -> Tensor:
+    """[B, L] kind code per token: OBJECT, else RELATION, else ATTRIBUTE, else 0."""
+    kinds = torch.zeros(obj_mask.shape, dtype=torch.long, device=obj_mask.device)
+    kinds = torch.where(attr_mask.bool(), ATTRIBUTE, kinds)
+    kinds = torch.where(rel_mask.bool(), RELATION, kinds)
+    return torch.where(obj_mask.bool(), OBJECT, kinds)
+
+
+_KIND_RANK = {OBJECT: 3, RELATION: 2, ATTRIBUTE: 1, 0: 0}
+
+
+def draw_word_replacements(ids: Tensor, word_ends: Optional[Tensor], kinds: Tensor, vocabulary, count: int,
+                           seeds: Sequence[Sequence[int]]) -> WordReplacements:
+    """Draw `count` replacements for every word with a kind, from `vocabulary` (a `WordVocabulary`).
+
+    A word (BPE pieces up to one ending a word) takes the kind of its tokens (object > relation > attribute);
+    words without a kind are not perturbed. Caption b draws from `np.random.default_rng(seeds[b])`, its words
+    in order, so the draws depend on the caption's seed only (not on the batch, the rank or the device).
+    """
+    if count < 1:
+        raise ValueError(f"num_replacements must be at least 1, got {count}")
+    groups = word_groups(ids, word_ends).tolist()
+    id_rows, kind_rows = ids.tolist(), kinds[:, : ids.shape[1]].tolist()
+    sample, word, drawn = [], [], []
+    for b, (group_row, id_row, kind_row) in enumerate(zip(groups, id_rows, kind_rows)):
+        rng = np.random.default_rng(list(seeds[b]))
+        for index, (tokens, kind) in sorted(_caption_words(group_row, id_row, kind_row).items()):
+            if kind:
+                sample.append(b)
+                word.append(index)
+                drawn.append(vocabulary.draw(kind, tokens, rng, count))
+    return _pack_replacements(sample, word, drawn, count, ids.device)
+
+
+def _caption_words(group_row: List[int], id_row: List[int], kind_row: List[int]
+                   ) -> Dict[int, Tuple[Tuple[int, ...], int]]:
+    """Word index -> (its token ids, its kind: the highest-ranked kind of its tokens, 0 for none)."""
+    tokens: Dict[int, List[int]] = {}
+    kinds: Dict[int, int] = {}
+    for group, token, kind in zip(group_row, id_row, kind_row):
+        if group >= 0:
+            tokens.setdefault(group, []).append(token)
+            kinds[group] = max(kinds.get(group, 0), kind, key=_KIND_RANK.__getitem__)
+    return {group: (tuple(tokens[group]), kinds[group]) for group in tokens}
+
+
+def _pack_replacements(sample: List[int], word: List[int], drawn: List[List[Tuple[int, ...]]], count: int,
+                       device: torch.device) -> WordReplacements:
+    width = max((len(tokens) for words in drawn for tokens in words), default=1)
+    ids = torch.zeros(len(drawn), count, width, dtype=torch.long)
+    lengths = torch.zeros(len(drawn), count, dtype=torch.long)
+    for row, words in enumerate(drawn):
+        for k, tokens in enumerate(words):
+            ids[row, k, : len(tokens)] = torch.tensor(tokens)
+            lengths[row, k] = len(tokens)
+    return WordReplacements(torch.tensor(sample, dtype=torch.long, device=device),
+                            torch.tensor(word, dtype=torch.long, device=device), ids.to(device), lengths.to(device))
 
 
 def _word_pairs(groups: Tensor) -> tuple[Tensor, Tensor]:
@@ -278,14 +441,44 @@ def _single_head_rerun(inputs: TextAttributionInputs, x: Tensor, first: int
 
 def grad_eclip_attribution(inputs: TextAttributionInputs, options: AttributionOptions,
                            create_graph: bool = False) -> Tensor:
-    """Grad-ECLIP text map: per-layer EOS-row maps summed over the last blocks, then relu."""
+    """Grad-ECLIP text map: per-layer EOS-row maps summed over the last blocks, then relu.
+
+    lambda is min-max scaled over every context position, padding included ("all_positions", the original
+    code), or over the positions 0..EOS that the EOS row attends to ("up_to_eos", ours). The first needs the
+    padding positions' keys: a text trimmed after its last EOS is encoded again at full length.
+    """
+    if options.text_lambda_range not in TEXT_LAMBDA_RANGES:
+        raise ValueError(f"text_lambda_range must be one of {TEXT_LAMBDA_RANGES}, got {options.text_lambda_range!r}")
+    length = inputs.ids.shape[1]
+    if options.text_lambda_range == "all_positions":
+        inputs = untrimmed(inputs)
     traces, target = _explained_text_traces(inputs, options)
     grads = torch.autograd.grad(target.sum(), [t.context for t in traces], create_graph=create_graph,
                                 retain_graph=True)
     positions = torch.arange(inputs.ids.shape[1], device=inputs.ids.device)
-    causal = positions.unsqueeze(0) <= inputs.eos.unsqueeze(1)  # what the EOS row can attend to
-    total = sum(eclip_layer_map(trace, grad, inputs.eos, causal) for trace, grad in zip(traces, grads))
-    return total.clamp(min=0)
+    if options.text_lambda_range == "all_positions":
+        valid = torch.ones(inputs.ids.shape, dtype=torch.bool, device=inputs.ids.device)
+    else:
+        valid = positions.unsqueeze(0) <= inputs.eos.unsqueeze(1)  # what the EOS row can attend to
+    total = sum(eclip_layer_map(trace, grad, inputs.eos, valid) for trace, grad in zip(traces, grads))
+    return total.clamp(min=0)[:, :length]
+
+
+def untrimmed(inputs: TextAttributionInputs) -> TextAttributionInputs:
+    """The inputs at the tower's full context length: a text cut after its last EOS is encoded again, with
+    0-padding (open_clip's), from the same token embeddings (so their graph, and a frozen tower's leaf, stay)."""
+    encoders, ids = inputs.encoders, inputs.ids
+    missing = context_length(encoders) - ids.shape[1]
+    if missing <= 0:
+        return inputs
+    if inputs.text.embeddings is None:
+        raise ValueError("re-encoding a trimmed text needs its token embeddings (TextFeatures.embeddings)")
+    padding = ids.new_zeros(ids.shape[0], missing)
+    pad_embeddings = encoders.model.token_embedding(padding).to(inputs.text.embeddings.dtype)
+    full_ids = torch.cat([ids, padding], dim=1)
+    text = encoders.encode_text_embeddings(torch.cat([inputs.text.embeddings, pad_embeddings], dim=1), full_ids,
+                                           attn=True)
+    return TextAttributionInputs(encoders, full_ids, inputs.image, text, inputs.word_ends, inputs.replacements)
 
 
 ATTRIBUTIONS: Dict[str, Callable[[TextAttributionInputs, AttributionOptions, bool], Tensor]] = {
@@ -314,13 +507,18 @@ def group_means(attribution: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return (attribution * mask).sum(dim=1) / count.clamp(min=1), count > 0
 
 
-def image_grad_eclip(encoders: CLIPEncoders, images: Tensor, text_embeddings: Tensor, heads: str = "multi",
-                     create_graph: bool = False) -> Tensor:
-    """Grad-ECLIP image heat maps [B, H, W] (upsampled to the input size, each min-max scaled to 0..1).
+def image_grad_eclip_grid(encoders: CLIPEncoders, images: Tensor, text_embeddings: Tensor, heads: str = "single",
+                          create_graph: bool = False) -> Tuple[Tensor, Tensor]:
+    """Grad-ECLIP image maps on the patch grid, before any scaling, and the explained cosine.
 
-    Last ViT block; channel weights = dS/d(context) at the CLS row; lambda = min-max over patches of
-    cos(q_cls, k_i); map_i = relu(sum_heads sum_d g_d v_{i,d} lambda_i). `heads="single"` re-runs the last
-    block with one head (the original code); "multi" explains the model as it is.
+    Last ViT block; channel weights g = dc/d(context) at the CLS row; lambda = min-max over the patches of
+    cos(q_cls, k_i) (q, k with their bias, before the 1/sqrt(d) scaling); map_i = relu(sum_heads sum_d g_d v_{i,d}
+    lambda_i), in row-major grid order. `heads="single"` re-runs the last block with one full-width head and
+    explains the cosine of that re-run's embedding (the original code, the published map); "multi" [ours]
+    explains the model as it is.
+
+    Returns:
+        maps [B, grid_h, grid_w] (relu'd, unscaled) and the explained cosine c [B].
     """
     if heads not in HEADS:
         raise ValueError(f"heads must be one of {HEADS}, got {heads!r}")
@@ -338,12 +536,23 @@ def image_grad_eclip(encoders: CLIPEncoders, images: Tensor, text_embeddings: Te
     cls_rows = torch.zeros(batch, dtype=torch.long, device=images.device)
     patches = torch.arange(tokens, device=images.device) > 0
     maps = eclip_layer_map(trace, grad, cls_rows, patches.expand(batch, tokens))[:, 1:].clamp(min=0)
-    grid = encoders.grid_size
-    maps = F.interpolate(maps.view(batch, 1, *grid), size=images.shape[-2:], mode="bilinear", align_corners=False)
-    return _min_max(maps.squeeze(1))
+    return maps.view(batch, *encoders.grid_size), target
 
 
-def _min_max(maps: Tensor) -> Tensor:
+def image_grad_eclip(encoders: CLIPEncoders, images: Tensor, text_embeddings: Tensor, heads: str = "single",
+                     create_graph: bool = False) -> Tensor:
+    """Grad-ECLIP image heat maps [B, H, W] at the input size, in 0..1.
+
+    The original's order: each grid map min-max scaled to 0..1, then resized to the image bilinearly (the
+    resize of a min-max scaled map may peak below 1). See `image_grad_eclip_grid` for the map and `heads`.
+    """
+    grid, _ = image_grad_eclip_grid(encoders, images, text_embeddings, heads, create_graph)
+    scaled = min_max(grid).unsqueeze(1)
+    return F.interpolate(scaled, size=images.shape[-2:], mode="bilinear", align_corners=False).squeeze(1)
+
+
+def min_max(maps: Tensor) -> Tensor:
+    """Each map [B, ...] scaled to 0..1 (an all-equal map becomes 0)."""
     flat = maps.flatten(1)
     low, high = flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)
     return ((flat - low) / (high - low).clamp(min=1e-12)).view_as(maps)

@@ -40,13 +40,26 @@ class AttributionConfig:
     # attention: blocks averaged (null = all) and the head reduction ("mean" or "max").
     layers: Optional[List[int]] = None
     head_reduce: str = "mean"
-    # gradcam: first block of the relevance product (-1 = the last block only).
-    start_layer: int = -1
-    # grad_eclip: text maps summed over the last N blocks; "multi" heads (faithful) or "single" (the paper's re-run).
+    # gradcam: first block of the relevance product R <- R + E R. 0 = every block, the CAE paper's aggregation
+    # across layers; -1 = the last block only [ours, an option].
+    start_layer: int = 0
+    # grad_eclip: text maps summed over the last N blocks. heads "single" = the published map (the original
+    # re-runs the explained blocks with one full-width head); "multi" [ours] explains the model as it is.
     eclip_layers: int = 8
-    heads: str = "multi"
-    # perturbation: the token a word is replaced by (0 = open_clip padding) and perturbed captions per forward.
+    heads: str = "single"
+    # grad_eclip text map: where lambda (cos(q_EOS, k_i)) is min-max scaled. "all_positions" = the original code
+    # (every context position, padding included: the text is encoded untrimmed); "up_to_eos" [ours] = 0..EOS.
+    text_lambda_range: str = "all_positions"
+    # perturbation: "kind" = the CAE paper's expected similarity drop when a word is replaced by other concepts:
+    # each object / attribute / relation word is replaced by `num_replacements` words of its kind drawn from the
+    # training captions' parsed words (by frequency, never the word itself), the drops averaged; words of no kind
+    # get 0 (needs data.masks=true). "token" [ours] = each word's tokens replaced once by `replacement_id`.
+    replacement: str = "kind"
+    # K of "kind": the paper does not give it; 4 is our choice (cost: K text forwards per object/composition word).
+    num_replacements: int = 4
+    # "token": the id a word's tokens are replaced by (0 = open_clip padding).
     replacement_id: int = 0
+    # perturbation: perturbed captions per forward.
     chunk_size: int = 256
     # Divide by the sum over content tokens (sum to 1; makes the margin scale-free).
     renormalise: bool = True
@@ -58,11 +71,14 @@ class MethodConfig:
     name: str = "clip_ft"
     # CLIP-FT / NegCLIP: append each sample's hard-negative captions as extra image-to-text columns.
     hard_negatives: bool = False
-    # CLIP-CAE: L = L_itc + attr_weight * mean(max(0, A_obj - A_comp + attr_margin)) over captions with both
-    # object and composition tokens (needs data.masks=true), with this attribution method.
+    # CLIP-CAE: L = L_itc + attr_weight * L_attr with this attribution method (needs data.masks=true). attr_hinge
+    # "batch" = the paper's one hinge max(0, A_obj - A_comp + attr_margin) per (global) batch, A_obj / A_comp the
+    # mean attribution over all object / composition tokens of the batch; "caption" [ours] = the hinge per
+    # caption, averaged over the captions with both kinds of tokens.
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
     attr_weight: float = 1.0
     attr_margin: float = 0.0
+    attr_hinge: str = "batch"
     # MACCO-CLIP: loss weights (1 L_mca + 0.1 L_mir + 20 L_mlm + 250 L_mim), predictor depths and heads, and
     # whether the predictors' cross-attention masks padded text keys / nothing (the original has no mask).
     mca_weight: float = 1.0
@@ -275,6 +291,9 @@ _CHOICES = {
     "method.attribution.name": ("attention", "gradcam", "perturbation", "gradient", "grad_eclip"),
     "method.attribution.head_reduce": ("mean", "max"),
     "method.attribution.heads": ("multi", "single"),
+    "method.attribution.text_lambda_range": ("all_positions", "up_to_eos"),
+    "method.attribution.replacement": ("kind", "token"),
+    "method.attr_hinge": ("batch", "caption"),
     "method.aligner_loss": ("infonce", "itm"),
 }
 

@@ -5,7 +5,7 @@
         --attribution gradcam --start-layer -4 --out cat.png
 
 One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overlaid (METHODS.md "Grad-ECLIP
-explanations"; `--heads` chooses the faithful multi-head or the paper's single-head variant) and a bar chart
+explanations"; `--heads` chooses the paper's single-head map or our multi-head variant) and a bar chart
 of the text attribution (`--attribution`, any of `attribution.ATTRIBUTIONS`, renormalised to sum 1 over the
 caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (same stem) and a table on stdout hold the
 numbers. The image shown is the validation transform's input, de-normalised: the pixels the model saw (after
@@ -31,8 +31,9 @@ from torch import Tensor
 from torchvision import transforms
 
 from datamodules.files import atomic_write_bytes, atomic_write_text
-from lightning_modules.attribution import (ATTRIBUTIONS, HEADS, AttributionOptions, TextAttributionInputs,
-                                           eos_positions, image_grad_eclip, text_attribution, word_end_table)
+from lightning_modules.attribution import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
+                                           TextAttributionInputs, eos_positions, image_grad_eclip, text_attribution,
+                                           word_end_table)
 from lightning_modules.encoders import BuiltModel, CLIPEncoders, build_model
 
 DEFAULTS = AttributionOptions()
@@ -68,7 +69,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--attribution", default="grad_eclip", choices=list(ATTRIBUTIONS),
                         help="text attribution method (default: grad_eclip)")
     parser.add_argument("--heads", default=DEFAULTS.heads, choices=HEADS,
-                        help="Grad-ECLIP heads, image map and grad_eclip text map (multi = the model as it is)")
+                        help="Grad-ECLIP heads, image map and grad_eclip text map (single = the published map, "
+                             "the original's one-head re-run; multi = the model as it is, ours)")
+    parser.add_argument("--text-lambda-range", default=DEFAULTS.text_lambda_range, choices=TEXT_LAMBDA_RANGES,
+                        help="grad_eclip text map: lambda min-max over all context positions (the original) or "
+                             "positions up to EOS (ours)")
     parser.add_argument("--layers", type=int, nargs="+", help="attention: blocks averaged (default: all)")
     parser.add_argument("--head-reduce", default=DEFAULTS.head_reduce, choices=("mean", "max"),
                         help="attention: reduction over heads")
@@ -82,8 +87,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def attribution_options_from_args(args: argparse.Namespace) -> AttributionOptions:
+    # Perturbation replaces each word by one token here: the kind-preserving replacement of CAE needs the
+    # training captions' parsed words, which a single explanation does not have.
     return AttributionOptions(layers=args.layers, head_reduce=args.head_reduce, start_layer=args.start_layer,
-                              eclip_layers=args.eclip_layers, heads=args.heads, renormalise=True)
+                              eclip_layers=args.eclip_layers, heads=args.heads,
+                              text_lambda_range=args.text_lambda_range, replacement="token", renormalise=True)
 
 
 def load_model(args: argparse.Namespace) -> BuiltModel:

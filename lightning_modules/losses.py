@@ -114,7 +114,7 @@ class ClipLoss(nn.Module):
 
 
 def cae_attribution_loss(attr_obj: Tensor, attr_comp: Tensor, valid: Tensor, margin: float = 0.0) -> Tensor:
-    """CLIP-CAE's attribution term: mean over valid captions of max(0, A_obj - A_comp + margin).
+    """[ours] CLIP-CAE's attribution term per caption: mean over valid captions of max(0, A_obj - A_comp + margin).
 
     Args:
         attr_obj: [B] mean attribution of each caption's object tokens.
@@ -127,6 +127,42 @@ def cae_attribution_loss(attr_obj: Tensor, attr_comp: Tensor, valid: Tensor, mar
     hinge = (attr_obj - attr_comp + margin).clamp(min=0)
     weights = valid.to(hinge.dtype)
     return (hinge * weights).sum() / weights.sum().clamp(min=1)
+
+
+def cae_batch_attribution_loss(attribution: Tensor, obj_mask: Tensor, comp_mask: Tensor,
+                               margin: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+    """CLIP-CAE's attribution term as the paper defines it: one hinge per (global) batch.
+
+    `L_attr = max(0, A_obj - A_comp + margin)`, A_obj (A_comp) the mean attribution over all object
+    (composition) tokens of the batch. Under data parallelism the batch is the global batch: each rank's token
+    sums are gathered with the autograd-aware gather and its counts summed, so every rank computes the same
+    loss, and the ranks' averaged parameter gradients (DDP) equal the single-process gradient of the global
+    batch (each rank's gather backward hands it the summed gradient of its sums: W times its share, divided by
+    W again by DDP's mean).
+
+    Args:
+        attribution: [B, L] per-token attribution; obj_mask, comp_mask: [B, >= L] bool token masks.
+        margin: eps (default 0).
+
+    Returns:
+        (loss, A_obj, A_comp) as fp32 scalars. A batch without object or without composition tokens gives a
+        loss of 0, still connected to the graph (no NaN).
+    """
+    with torch.autocast(device_type=attribution.device.type, enabled=False):
+        attribution = attribution.float()
+        masks = torch.stack([obj_mask[:, : attribution.shape[1]], comp_mask[:, : attribution.shape[1]]])
+        masks = masks.to(attribution.dtype)
+        sums = (attribution.unsqueeze(0) * masks).sum(dim=(1, 2))  # [2]: object, composition
+        counts = masks.sum(dim=(1, 2)).detach()
+        rank, world_size = world_info()
+        if world_size > 1:
+            sums = gather_features(sums.unsqueeze(0), rank, world_size, with_grad=True).sum(dim=0)
+            counts = counts.clone()
+            dist.all_reduce(counts)
+        attr_obj, attr_comp = sums / counts.clamp(min=1)
+        hinge = (attr_obj - attr_comp + margin).clamp(min=0)
+        present = bool((counts > 0).all())
+        return (hinge if present else hinge * 0.0), attr_obj, attr_comp
 
 
 # ----- MACCO-CLIP (METHODS.md, MACCO-CLIP) ------------------------------------------------------------------

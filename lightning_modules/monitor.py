@@ -14,6 +14,10 @@ by the scene-graph parser (METHODS.md, CLIP-CAE). Logged to TensorBoard at the g
 - Grad-ECLIP heat maps of the first `overlay_images` pairs over their images, `gradeclip/<k>`, with the
   caption as the text `gradeclip/<k>/caption`.
 
+Perturbation with `replacement=kind` draws each probe caption's replacement words once per probe position
+(seeded, so every measurement uses the same ones) from the training captions' vocabulary (the module's, else
+the DataModule's; data.masks=true).
+
 The monitor observes and never trains: every submodule runs in eval mode (each one's own mode restored
 afterwards), gradients are taken with `torch.autograd.grad` only, so no parameter `.grad` changes, and it
 consumes no global random state. Rank 0 computes while the other ranks wait at a barrier. It reads only what
@@ -37,8 +41,9 @@ from torch import Tensor
 from datamodules.annotations import read_annotation_file
 from datamodules.coco import CocoCaptions
 from lightning_modules.attribution import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs,
-                                           attribution_options, eos_positions, group_means, image_grad_eclip,
-                                           text_attribution, word_end_table)
+                                           WordReplacements, attribution_options, draw_word_replacements,
+                                           eos_positions, group_means, image_grad_eclip, text_attribution,
+                                           token_kinds, word_end_table)
 from lightning_modules.callbacks import eval_mode
 from lightning_modules.encoders import CLIPEncoders, TextFeatures
 from parsers.scene_graph import SceneGraph, SceneGraphParser
@@ -166,16 +171,46 @@ def text_forward(encoders: CLIPEncoders, ids: Tensor) -> TextFeatures:
     return encoders.encode_text_embeddings(embeddings, ids, attn=True)
 
 
+def uses_word_replacements(method: str, options: AttributionOptions) -> bool:
+    return method == "perturbation" and options.replacement == "kind"
+
+
+def probe_replacements(probe: Probe, chunk: slice, ids: Tensor, word_ends: Optional[Tensor],
+                       options: AttributionOptions, vocabulary) -> WordReplacements:
+    """The replacement words of the probe captions in `chunk`: seeded by probe position, the same at every
+    measurement, so that the perturbation attribution changes with the weights only."""
+    if vocabulary is None:
+        raise ValueError("the monitor's perturbation with replacement=kind needs the training captions' "
+                         "replacement vocabulary (data.masks=true), or method.attribution.replacement=token")
+    kinds = token_kinds(probe.obj_mask[chunk], probe.attr_mask[chunk], probe.rel_mask[chunk]).to(ids.device)
+    seeds = [(PROBE_SEED, index) for index in range(len(probe))[chunk]]
+    return draw_word_replacements(ids, word_ends, kinds, vocabulary, options.num_replacements, seeds)
+
+
 def probe_attribution(encoders: CLIPEncoders, probe: Probe, images: Tensor, method: str,
-                      options: AttributionOptions, word_ends: Optional[Tensor] = None) -> Tensor:
-    """Attribution [N, L] of `method` on the probe pairs (image b, caption b), float32 on the CPU."""
+                      options: AttributionOptions, word_ends: Optional[Tensor] = None, vocabulary=None) -> Tensor:
+    """Attribution [N, L] of `method` on the probe pairs (image b, caption b), float32 on the CPU.
+
+    `vocabulary` (a `WordVocabulary`) is needed by perturbation with `replacement=kind` only.
+    """
     parts = []
     for chunk in _chunks(len(probe)):
         ids = probe.ids[chunk].to(images.device)
+        replacements = (probe_replacements(probe, chunk, ids, word_ends, options, vocabulary)
+                        if uses_word_replacements(method, options) else None)
         with torch.enable_grad():
-            inputs = TextAttributionInputs(encoders, ids, images[chunk], text_forward(encoders, ids), word_ends)
+            inputs = TextAttributionInputs(encoders, ids, images[chunk], text_forward(encoders, ids), word_ends,
+                                           replacements)
             parts.append(text_attribution(method, inputs, options, create_graph=False).detach().float().cpu())
     return torch.cat(parts)
+
+
+def replacement_vocabulary_of(module: L.LightningModule):
+    """The module's replacement vocabulary (CLIP-CAE, restored with its checkpoint), else the DataModule's."""
+    vocabulary = getattr(module, "replacement_vocabulary", None)
+    if vocabulary is None and getattr(module, "_trainer", None) is not None:
+        vocabulary = getattr(module.trainer.datamodule, "replacement_vocabulary", None)
+    return vocabulary
 
 
 @dataclass
@@ -290,6 +325,11 @@ class AttributionMonitor(L.Callback):
         self._measured_step = -1
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        needs_vocabulary = any(uses_word_replacements(method, self.options) for method in self.attributions)
+        if needs_vocabulary and replacement_vocabulary_of(module) is None:
+            raise ValueError("monitor.attributions has perturbation with method.attribution.replacement=kind, which "
+                             "draws words from the training captions' vocabulary: set data.masks=true, or "
+                             "method.attribution.replacement=token")
         if trainer.is_global_zero and self.probe is None:
             self.probe = build_probe(trainer.datamodule, module.tokenizer, self.probe_size, self.parser)
             self._word_ends = word_end_table(module.tokenizer, module.clip.token_embedding.num_embeddings)
@@ -308,8 +348,9 @@ class AttributionMonitor(L.Callback):
         """Group attributions of every configured method on the probe, with the module's current weights."""
         with eval_mode(module):
             images = image_embeddings(module.encoders, self.probe.images)
+            vocabulary = replacement_vocabulary_of(module)
             return {method: summarise(probe_attribution(module.encoders, self.probe, images, method, self.options,
-                                                        self._word_ends), self.probe)
+                                                        self._word_ends, vocabulary), self.probe)
                     for method in self.attributions}
 
     def overlays(self, module: L.LightningModule) -> Tensor:

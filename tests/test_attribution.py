@@ -18,14 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from collections import Counter
+
+from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
 from lightning_modules.attribution import (
     ATTRIBUTIONS,
     AttributionOptions,
     TextAttributionInputs,
     attribution_options,
+    draw_word_replacements,
     group_means,
     image_grad_eclip,
+    splice_words,
     text_attribution,
+    token_kinds,
     word_end_table,
     word_groups,
 )
@@ -35,6 +41,16 @@ from tolerance import assert_scaled_close, scaled_close
 # "axolotl" and "photosynthesizing" are split into several BPE pieces; "" has no content token at all.
 CAPTIONS = ["a red-haired axolotl swims", "two dogs left of a cat", "", "a photosynthesizing fern"]
 EMPTY = 2
+# Word kinds of the captions' words (as the scene-graph parser would give them); "-" and "a" have none.
+WORD_KINDS = {"red": ATTRIBUTE, "haired": ATTRIBUTE, "axolotl": OBJECT, "swims": RELATION, "two": ATTRIBUTE,
+              "dogs": OBJECT, "left": RELATION, "of": RELATION, "cat": OBJECT, "photosynthesizing": ATTRIBUTE,
+              "fern": OBJECT}
+# Replacement words with their training counts: several of them are the captions' own words (never drawn for
+# themselves), some have several BPE tokens ("traffic light", "photosynthesizing").
+VOCABULARY_COUNTS = {OBJECT: Counter({"cat": 3, "dogs": 1, "fern": 2, "axolotl": 1, "tree": 5, "traffic light": 2}),
+                     ATTRIBUTE: Counter({"red": 4, "two": 2, "fluffy": 1, "photosynthesizing": 1}),
+                     RELATION: Counter({"left": 2, "of": 3, "on": 5, "swims": 1, "next to": 2})}
+K = 3
 # The library runs batched, fused float32 kernels; the references loop per caption and per head, so the two
 # round differently: ~1e-6 of the largest value after the 2-block tower's forward and backward passes (1.6e-6
 # at most on 1 and 2 threads; the min-max normalisations of Grad-ECLIP amplify it by max / (max - min)).
@@ -60,15 +76,37 @@ def ctx() -> SimpleNamespace:
     with torch.no_grad():
         image = F.normalize(model.encode_image(images), dim=-1)
         text = F.normalize(model.encode_text(ids), dim=-1)
-    return SimpleNamespace(model=model, encoders=CLIPEncoders(model), tokenizer=built.tokenizer, ids=ids,
-                           images=images, image=image, text=text, eot=built.tokenizer.eot_token_id,
-                           word_ends=word_end_table(built.tokenizer, model.vocab_size))
+    ctx = SimpleNamespace(model=model, encoders=CLIPEncoders(model), tokenizer=built.tokenizer, ids=ids,
+                          images=images, image=image, text=text, eot=built.tokenizer.eot_token_id,
+                          word_ends=word_end_table(built.tokenizer, model.vocab_size),
+                          vocabulary=WordVocabulary.from_counts(VOCABULARY_COUNTS, built.tokenizer))
+    ctx.kinds = hand_token_kinds(ctx)
+    ctx.replacements = draw_word_replacements(ids, ctx.word_ends, ctx.kinds, ctx.vocabulary, K,
+                                              [(0, b) for b in range(len(CAPTIONS))])
+    return ctx
 
 
-def attribution_inputs(ctx: SimpleNamespace, with_words: bool = True) -> TextAttributionInputs:
+def word_text(ctx: SimpleNamespace, ids_row: Tensor, word: List[int]) -> str:
+    return "".join(ctx.tokenizer.decoder[int(ids_row[t])] for t in word).replace("</w>", "")
+
+
+def hand_token_kinds(ctx: SimpleNamespace) -> Tensor:
+    """[B, L] kinds of WORD_KINDS; only the first piece of "axolotl" is marked (a word takes its tokens' kind)."""
+    kinds = torch.zeros(ctx.ids.shape, dtype=torch.long)
+    for b, ids_row in enumerate(ctx.ids):
+        for word in reference_words(ctx, ids_row):
+            text = word_text(ctx, ids_row, word)
+            kinds[b, word[:1] if text == "axolotl" else word] = WORD_KINDS.get(text, 0)
+    return kinds
+
+
+def attribution_inputs(ctx: SimpleNamespace, with_words: bool = True, ids: Optional[Tensor] = None
+                       ) -> TextAttributionInputs:
     """A fresh traced text forward of the batch (each test gets its own autograd graph)."""
-    text = ctx.encoders.encode_text(ctx.ids, attn=True)
-    return TextAttributionInputs(ctx.encoders, ctx.ids, ctx.image, text, ctx.word_ends if with_words else None)
+    ids = ctx.ids if ids is None else ids
+    text = ctx.encoders.encode_text(ids, attn=True)
+    return TextAttributionInputs(ctx.encoders, ids, ctx.image, text, ctx.word_ends if with_words else None,
+                                 ctx.replacements)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,6 +247,8 @@ def reference_words(ctx, ids_row: Tensor, by_word: bool = True) -> List[List[int
 
 def reference_perturbation(ctx, b: int, options: AttributionOptions, by_word: bool = True) -> Tensor:
     """Replace each word by hand in the full-length ids and ask open_clip's encode_text."""
+    if options.replacement == "kind":
+        return reference_kind_perturbation(ctx, b)
     ids_row = ctx.ids[b]
     raw = torch.zeros(len(ids_row))
     with torch.no_grad():
@@ -220,6 +260,28 @@ def reference_perturbation(ctx, b: int, options: AttributionOptions, by_word: bo
             drop = base - cosine(ctx.image[b], ctx.model.encode_text(perturbed[None])[0])
             for t in word:
                 raw[t] = drop
+    return raw
+
+
+def reference_kind_perturbation(ctx, b: int) -> Tensor:
+    """Every typed word of caption b replaced by each of its K drawn words, spliced into the token list by hand
+    (Python lists, 0-padded to the context length); drops from open_clip's encode_text, averaged over K."""
+    ids_row = ctx.ids[b]
+    tokens = ids_row[: eos_of(ctx, ids_row) + 1].tolist()
+    words = reference_words(ctx, ids_row)
+    reps = ctx.replacements
+    raw = torch.zeros(len(ids_row))
+    with torch.no_grad():
+        base = cosine(ctx.image[b], ctx.model.encode_text(ids_row[None])[0])
+        for p in [p for p in range(len(reps.sample)) if int(reps.sample[p]) == b]:
+            word = words[int(reps.word[p])]
+            drops = []
+            for k in range(K):
+                new = tokens[:word[0]] + reps.ids[p, k, : int(reps.lengths[p, k])].tolist() + tokens[word[-1] + 1:]
+                padded = torch.tensor(new + [0] * (len(ids_row) - len(new)))
+                drops.append(base - cosine(ctx.image[b], ctx.model.encode_text(padded[None])[0]))
+            for t in word:
+                raw[t] = sum(drops) / len(drops)
     return raw
 
 
@@ -255,7 +317,9 @@ def reference_grad_eclip(ctx, b: int, options: AttributionOptions) -> Tensor:
             records.append(record)
         pooled = naive_text_head(ctx.model, x, naive.eos)
     grads = torch.autograd.grad(cosine(ctx.image[b], pooled), [record.context for record in records])
-    return eclip_map(records, grads, naive.eos, list(range(naive.eos + 1)), len(ctx.ids[b]))
+    # lambda's min-max range: every context position (the original code), or 0..EOS (ours)
+    last = len(ctx.ids[b]) - 1 if options.text_lambda_range == "all_positions" else naive.eos
+    return eclip_map(records, grads, naive.eos, list(range(last + 1)), len(ctx.ids[b]))
 
 
 REFERENCES: Dict[str, Callable[..., Tensor]] = {
@@ -290,20 +354,26 @@ def renormalised(ctx, raw: Tensor) -> Tensor:
 # Library against references
 # ----------------------------------------------------------------------------------------------------------
 
+TOKEN = AttributionOptions(replacement="token")  # [ours] one replacement token per word
+
 CASES = [
     ("attention", AttributionOptions()),
     ("attention", AttributionOptions(layers=[1])),
     ("attention", AttributionOptions(layers=[-1, 0], head_reduce="max")),
+    ("gradcam", AttributionOptions()),  # start_layer 0: every layer (the CAE paper)
     ("gradcam", AttributionOptions(start_layer=-1)),
-    ("gradcam", AttributionOptions(start_layer=0)),
-    ("perturbation", AttributionOptions()),
-    ("perturbation", AttributionOptions(chunk_size=1)),
-    ("perturbation", AttributionOptions(replacement_id=320, chunk_size=3)),  # "a</w>" as the mask token
+    ("perturbation", AttributionOptions()),  # the CAE paper's: K words of the same kind
+    ("perturbation", AttributionOptions(chunk_size=2)),
+    ("perturbation", TOKEN),
+    ("perturbation", replace(TOKEN, chunk_size=1)),
+    ("perturbation", replace(TOKEN, replacement_id=320, chunk_size=3)),  # "a</w>" as the mask token
     ("gradient", AttributionOptions()),
-    ("grad_eclip", AttributionOptions()),  # eclip_layers 8 > 2 blocks: every block
+    ("grad_eclip", AttributionOptions()),  # the published map; eclip_layers 8 > 2 blocks: every block
     ("grad_eclip", AttributionOptions(eclip_layers=1)),
-    ("grad_eclip", AttributionOptions(heads="single")),
-    ("grad_eclip", AttributionOptions(heads="single", eclip_layers=1)),
+    ("grad_eclip", AttributionOptions(text_lambda_range="up_to_eos")),
+    ("grad_eclip", AttributionOptions(heads="multi")),
+    ("grad_eclip", AttributionOptions(heads="multi", text_lambda_range="up_to_eos")),
+    ("grad_eclip", AttributionOptions(heads="multi", text_lambda_range="up_to_eos", eclip_layers=1)),
 ]
 CASE_IDS = [f"{method}-{i}" for i, (method, _) in enumerate(CASES)]
 
@@ -326,7 +396,7 @@ def test_matches_reference(ctx, method, options):
 
 
 def test_perturbation_without_word_table_replaces_single_tokens(ctx):
-    options = AttributionOptions(renormalise=False)
+    options = replace(TOKEN, renormalise=False)
     expected = reference_batch(ctx, "perturbation", options, by_word=False)
     got = text_attribution("perturbation", attribution_inputs(ctx, with_words=False), options)
     assert_close(got, expected)
@@ -335,9 +405,9 @@ def test_perturbation_without_word_table_replaces_single_tokens(ctx):
 
 
 def test_perturbation_chunking_does_not_change_the_result(ctx):
-    whole = text_attribution("perturbation", attribution_inputs(ctx), AttributionOptions(renormalise=False))
+    whole = text_attribution("perturbation", attribution_inputs(ctx), replace(TOKEN, renormalise=False))
     one_by_one = text_attribution("perturbation", attribution_inputs(ctx),
-                                  AttributionOptions(chunk_size=1, renormalise=False))
+                                  replace(TOKEN, chunk_size=1, renormalise=False))
     # one caption per forward against the whole batch: other matmul shapes, so not bit-identical (they differ
     # on 2 threads, not on 1); the drops are differences of cosines, rounded like the cosines
     assert_close(one_by_one, whole)
@@ -355,6 +425,79 @@ def test_zero_outside_content_and_unit_mass(ctx, method, renormalise):
             assert torch.all(got[b] == 0)
         elif renormalise:
             assert got[b, 1:eos].abs().sum().item() == pytest.approx(1.0, rel=1e-5)  # <= 77 float32 terms
+
+
+def test_kind_replacements_are_words_of_the_same_kind_never_the_word_itself(ctx):
+    reps, typed = ctx.replacements, []
+    for b, ids_row in enumerate(ctx.ids):
+        typed += [(b, w, word) for w, word in enumerate(reference_words(ctx, ids_row))
+                  if word_text(ctx, ids_row, word) in WORD_KINDS]
+    assert [(int(b), int(w)) for b, w in zip(reps.sample, reps.word)] == [(b, w) for b, w, _ in typed]
+    for p, (b, _, word) in enumerate(typed):
+        kind = WORD_KINDS[word_text(ctx, ctx.ids[b], word)]
+        original = tuple(ctx.ids[b, word].tolist())
+        for k in range(K):
+            drawn = tuple(reps.ids[p, k, : int(reps.lengths[p, k])].tolist())
+            assert drawn in ctx.vocabulary.tables[kind].index and drawn != original
+    assert int(reps.lengths.max()) >= 2  # a multi-token replacement is among them: the splice changes lengths
+
+
+def test_kind_perturbation_leaves_words_without_a_kind_at_zero(ctx):
+    raw = text_attribution("perturbation", attribution_inputs(ctx), AttributionOptions(renormalise=False))
+    for b, ids_row in enumerate(ctx.ids):
+        for word in reference_words(ctx, ids_row):
+            typed = word_text(ctx, ids_row, word) in WORD_KINDS
+            assert bool((raw[b, word] != 0).all()) == typed, word_text(ctx, ids_row, word)
+
+
+def test_kind_perturbation_without_replacements_names_them(ctx):
+    inputs = replace(attribution_inputs(ctx), replacements=None)
+    with pytest.raises(ValueError, match="replacement words"):
+        text_attribution("perturbation", inputs)
+
+
+def test_draws_depend_on_the_caption_seed_only(ctx):
+    alone = draw_word_replacements(ctx.ids[1:2], ctx.word_ends, ctx.kinds[1:2], ctx.vocabulary, K, [(0, 1)])
+    in_batch = ctx.replacements.sample == 1
+    assert torch.equal(alone.ids, ctx.replacements.ids[in_batch])
+    other = draw_word_replacements(ctx.ids[1:2], ctx.word_ends, ctx.kinds[1:2], ctx.vocabulary, K, [(1, 1)])
+    assert not torch.equal(other.ids, alone.ids)
+
+
+def test_splice_words_on_a_hand_built_batch():
+    table = word_end_table(SimpleNamespace(decoder=TOY_DECODER), vocab_size=10)
+    ids = torch.tensor([[SOT, 4, 1, 2, 3, 4, EOT, 0, 0, 0]])
+    groups = word_groups(ids, table)  # words: [4], [1, 2, 3], [4]
+    sample, word = torch.tensor([0, 0, 0]), torch.tensor([1, 0, 2])
+    replacement = torch.tensor([[12, 0, 0], [1, 2, 3], [4, 12, 4]])
+    lengths = torch.tensor([1, 3, 3])
+    assert splice_words(ids, groups, sample, word, replacement, lengths, 10).tolist() == [
+        [SOT, 4, 12, 4, EOT, 0, 0, 0, 0],  # shorter: EOS moves left, padding after it
+        [SOT, 1, 2, 3, 1, 2, 3, 4, EOT],  # longer
+        [SOT, 4, 1, 2, 3, 4, 12, 4, EOT]]
+    # beyond the context length: the first max_length - 1 tokens and EOS, as the tokenizer truncates
+    assert splice_words(ids, groups, sample[1:2], word[1:2], replacement[1:2], lengths[1:2], 7).tolist() == [
+        [SOT, 1, 2, 3, 1, 2, EOT]]
+
+
+def test_token_kinds_rank_object_over_relation_over_attribute():
+    obj = torch.tensor([[0, 1, 1, 0, 0]], dtype=torch.bool)
+    attr = torch.tensor([[0, 0, 1, 1, 1]], dtype=torch.bool)
+    rel = torch.tensor([[0, 1, 0, 0, 1]], dtype=torch.bool)
+    assert token_kinds(obj, attr, rel).tolist() == [[0, OBJECT, OBJECT, ATTRIBUTE, RELATION]]
+
+
+@pytest.mark.parametrize("heads", ["single", "multi"])
+def test_all_positions_lambda_re_encodes_a_trimmed_text(ctx, heads):
+    """The official lambda range needs the padding positions' keys: a trimmed text gives the untrimmed map."""
+    options = AttributionOptions(heads=heads, renormalise=False)
+    length = max(eos_of(ctx, ids) for ids in ctx.ids) + 1
+    trimmed = text_attribution("grad_eclip", attribution_inputs(ctx, ids=ctx.ids[:, :length]), options)
+    full = text_attribution("grad_eclip", attribution_inputs(ctx), options)
+    assert trimmed.shape == (len(CAPTIONS), length)
+    assert_close(trimmed.detach(), full[:, :length].detach())
+    up_to_eos = text_attribution("grad_eclip", attribution_inputs(ctx), replace(options, text_lambda_range="up_to_eos"))
+    assert not scaled_close(up_to_eos, full, 1e-3)  # the two ranges differ far beyond rounding
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -413,7 +556,7 @@ def last_visual_block_input(model, image: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def reference_image_map(model, image: Tensor, text: Tensor, heads: str) -> Tensor:
-    """Last block by hand (CLS row), per head and per patch; relu, bilinear upsample, min-max."""
+    """Last block by hand (CLS row), per head and per patch; relu, min-max, bilinear upsample."""
     x, open_clip_pooled = last_visual_block_input(model, image)
     block = model.visual.transformer.resblocks[-1]
     x, record = naive_block(block, x, 0.0, block.attn.num_heads if heads == "multi" else 1)
@@ -423,9 +566,9 @@ def reference_image_map(model, image: Tensor, text: Tensor, heads: str) -> Tenso
     (grad,) = torch.autograd.grad(cosine(pooled, text), [record.context])
     patches = list(range(1, len(x)))
     values = eclip_map([record], [grad], 0, patches, len(x))[1:]
-    grid = values.view(1, 1, *model.visual.grid_size)
-    upsampled = F.interpolate(grid, size=tuple(image.shape[-2:]), mode="bilinear", align_corners=False)[0, 0]
-    return (upsampled - upsampled.min()) / (upsampled.max() - upsampled.min())
+    scaled = (values - values.min()) / (values.max() - values.min())  # the original: min-max, then resize
+    grid = scaled.view(1, 1, *model.visual.grid_size)
+    return F.interpolate(grid, size=tuple(image.shape[-2:]), mode="bilinear", align_corners=False)[0, 0]
 
 
 def assert_image_maps_match(model, images: Tensor, text: Tensor, heads: str) -> None:
