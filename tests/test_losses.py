@@ -1,4 +1,5 @@
-"""ClipLoss against a slow reference, in fp32 under autocast, and exact under 2 real gloo processes."""
+"""ClipLoss and CLIP-CAE's batch hinge against slow references, in fp32 under autocast, and exact under 2 real gloo
+processes."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from lightning_modules.losses import ClipLoss
+from lightning_modules.losses import ClipLoss, cae_batch_attribution_loss
 from tolerance import scaled_close
 
 BATCH, DIM, NEGATIVES, WORLD = 4, 6, 2, 2
@@ -140,3 +141,92 @@ def test_gather_without_grad_loses_other_ranks_gradient(tmp_path):
     _, expected_grads = loss_and_grads(None, *options)
     result = torch.load(tmp_path / "rank0.pt")
     assert not scaled_close(result["grads"]["image.weight"], expected_grads["image.weight"], 1e-3)
+
+
+# ----- CLIP-CAE's batch hinge: exact over the global batch ---------------------------------------------------
+LENGTH, FEATURES = 7, 5
+
+
+class TokenScorer(torch.nn.Module):
+    """Stands in for a text tower and its attribution: a sigmoid score per token."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.score = torch.nn.Linear(FEATURES, 1)
+
+    def forward(self, tokens):
+        return self.score(tokens).squeeze(-1).sigmoid()
+
+
+def cae_global_batch():
+    """Tokens and masks of W * BATCH captions; the ranks' slices hold different numbers of object and
+    composition tokens (a mean of per-rank means would weight them wrongly), one caption has neither."""
+    g = torch.Generator().manual_seed(5)
+    n = BATCH * WORLD
+    tokens = torch.randn(n, LENGTH, FEATURES, generator=g)
+    obj = torch.rand(n, LENGTH, generator=g) < torch.linspace(0.7, 0.2, n).unsqueeze(1)
+    comp = (torch.rand(n, LENGTH, generator=g) < 0.3) & ~obj
+    obj[2], comp[2] = False, False
+    return tokens, obj, comp
+
+
+def reference_batch_hinge(attribution, obj, comp, margin):
+    """max(0, mean over all object tokens - mean over all composition tokens + margin), one token at a time."""
+    obj_values = [attribution[b, t] for b in range(len(obj)) for t in range(LENGTH) if obj[b, t]]
+    comp_values = [attribution[b, t] for b in range(len(comp)) for t in range(LENGTH) if comp[b, t]]
+    return torch.clamp(sum(obj_values) / len(obj_values) - sum(comp_values) / len(comp_values) + margin, min=0)
+
+
+def test_cae_batch_hinge_equals_a_loop_over_all_tokens():
+    tokens, obj, comp = cae_global_batch()
+    attribution = TokenScorer()(tokens).double()
+    loss, attr_obj, attr_comp = cae_batch_attribution_loss(attribution, obj, comp, margin=0.3)
+    assert loss.item() == pytest.approx(reference_batch_hinge(attribution, obj, comp, 0.3).item(), rel=1e-6)
+    assert attr_obj.item() == pytest.approx(attribution[obj].mean().item(), rel=1e-6)
+    assert attr_comp.item() == pytest.approx(attribution[comp].mean().item(), rel=1e-6)
+
+
+def test_cae_batch_hinge_without_composition_tokens_is_zero_and_connected():
+    tokens, obj, comp = cae_global_batch()
+    attribution = TokenScorer()(tokens)
+    loss, _, _ = cae_batch_attribution_loss(attribution, obj, torch.zeros_like(comp), margin=0.3)
+    assert loss.item() == 0.0 and loss.requires_grad
+
+
+def cae_loss_and_grads(rank_slice):
+    model = TokenScorer()
+    tokens, obj, comp = cae_global_batch()
+    if rank_slice is not None:
+        tokens, obj, comp = tokens[rank_slice], obj[rank_slice], comp[rank_slice]
+    loss, _, _ = cae_batch_attribution_loss(model(tokens), obj, comp, margin=0.3)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _cae_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        loss, grads = cae_loss_and_grads(slice(rank * BATCH, (rank + 1) * BATCH))
+        for grad in grads.values():  # what DDP does to gradients: the mean over ranks
+            dist.all_reduce(grad)
+            grad /= WORLD
+        torch.save({"loss": loss, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cae_batch_hinge_on_two_gloo_processes_equals_the_global_batch(tmp_path):
+    mp.start_processes(_cae_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    expected_loss, expected_grads = cae_loss_and_grads(None)
+    assert expected_loss > 0  # the hinge is active
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        # every rank computes the global loss; per-rank sums against one big sum: ~1e-7 relative rounding
+        assert scaled_close(result["loss"], expected_loss, 1e-5)
+        for name, grad in expected_grads.items():
+            assert scaled_close(result["grads"][name], grad, 1e-5), name
+    # the test can tell: each rank's own hinge (no gather), DDP-averaged, is another gradient
+    local = [cae_loss_and_grads(slice(rank * BATCH, (rank + 1) * BATCH))[1] for rank in range(WORLD)]
+    averaged = {name: sum(grads[name] for grads in local) / WORLD for name in expected_grads}
+    assert not scaled_close(averaged["score.weight"], expected_grads["score.weight"], 1e-2)
