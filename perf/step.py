@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from datamodules.annotations import read_negclip_tsv
+from datamodules.masks import CaptionMasks
+from datamodules.word_vocabulary import WordVocabulary
 from lightning_modules import method_class
 from lightning_modules.base import total_loss
 from lightning_modules.config import load_config
 from parsers.scene_graph import SceneGraphParser
-from parsers.token_alignment import caption_masks
 
 # name -> config overrides. Later methods add their variants here.
 VARIANTS: Dict[str, List[str]] = {
@@ -32,6 +33,14 @@ VARIANTS: Dict[str, List[str]] = {
     "negclip": ["method.hard_negatives=true", "data.num_hard_negatives=1"],
     **{f"cae_{name}": ["method.name=clip_cae", f"method.attribution.name={name}"]
        for name in ("attention", "gradcam", "perturbation", "gradient", "grad_eclip")},
+    # [ours] options of CAE's attribution: last-layer GradCAM, one replacement token per word, Grad-ECLIP on the
+    # model as it is with lambda up to EOS (a trimmed text forward)
+    "cae_gradcam_last": ["method.name=clip_cae", "method.attribution.name=gradcam",
+                         "method.attribution.start_layer=-1"],
+    "cae_perturbation_token": ["method.name=clip_cae", "method.attribution.name=perturbation",
+                               "method.attribution.replacement=token"],
+    "cae_grad_eclip_ours": ["method.name=clip_cae", "method.attribution.name=grad_eclip",
+                            "method.attribution.heads=multi", "method.attribution.text_lambda_range=up_to_eos"],
     "macco": ["method.name=macco"],
     "smartclip": ["method.name=smartclip"],
     "smartclip_soft": ["method.name=smartclip", "method.hard_mask=false"],
@@ -73,15 +82,16 @@ def make_batch(module, batch_size: int, device: str) -> dict:
     size = size[0] if isinstance(size, (tuple, list)) else size
     captions = real_captions(batch_size)
     generator = torch.Generator().manual_seed(0)
-    obj_mask, comp_mask = token_masks(captions, module.tokenizer)
     grid = module.encoders.grid_size
     patches = grid[0] * grid[1]
+    if getattr(module, "uses_word_replacements", False):  # CAE's perturbation: the captions' own words
+        module.replacement_vocabulary = WordVocabulary.from_records(cache_records(captions), module.tokenizer)
     return {
         "image": torch.randn(batch_size, 3, size, size, generator=generator).to(device),
         "text": module.tokenizer(captions).to(device),
         "neg_text": module.tokenizer(list(reversed(captions))).unsqueeze(1).to(device),
-        "obj_mask": obj_mask.to(device),
-        "comp_mask": comp_mask.to(device),
+        **{name: mask.to(device) for name, mask in token_masks(captions, module.tokenizer).items()},
+        "caption_id": torch.arange(batch_size),
         # MACCO's image mask: a quarter of the patches per sample (a phrase's boxes cover about that on COCO)
         "patch_mask": (torch.rand(batch_size, patches, generator=generator) < 0.25).to(device),
     }
@@ -92,11 +102,18 @@ def _parsed(captions: tuple) -> list:
     return SceneGraphParser().parse(list(captions))
 
 
-def token_masks(captions: List[str], tokenizer) -> tuple:
-    """Object and composition token masks from the real scene-graph parser (as the preprocessing cache has)."""
-    pairs = [caption_masks(caption, graph.object_spans(), graph.composition_spans(), tokenizer)
-             for caption, graph in zip(captions, _parsed(tuple(captions)))]
-    return (torch.from_numpy(np.stack([p[0] for p in pairs])), torch.from_numpy(np.stack([p[1] for p in pairs])))
+def cache_records(captions: List[str]) -> List[dict]:
+    """The preprocessing cache's records of the captions (spans and graph; no boxes)."""
+    return [{"caption": caption, "obj_spans": [[s.start, s.end] for s in graph.object_spans()],
+             "comp_spans": [[s.start, s.end] for s in graph.composition_spans()], "phrases": [],
+             "graph": graph.to_dict()} for caption, graph in zip(captions, _parsed(tuple(captions)))]
+
+
+def token_masks(captions: List[str], tokenizer) -> Dict[str, torch.Tensor]:
+    """obj_mask, comp_mask, attr_mask, rel_mask from the real scene-graph parser (as the DataModule gives them)."""
+    masks = CaptionMasks(cache_records(captions), tokenizer, tokenizer.context_length)
+    rows = [masks.token_masks(index, tokenizer.context_length) for index in range(len(captions))]
+    return {name: torch.from_numpy(np.stack([row[name] for row in rows])) for name in rows[0]}
 
 
 class Variant:
