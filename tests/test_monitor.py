@@ -219,3 +219,11 @@ def test_eval_mode_restores_each_submodule_own_mode():
     with eval_mode(model):
         assert not any(m.training for m in model.modules())
     assert model.training and model[1].training and not model[0].training
+
+
+def test_kind_perturbation_without_the_training_vocabulary_is_refused(shapes_root, tmp_path):
+    """The paper's perturbation draws replacement words from the training captions (data.masks=true): without
+    them the monitor refuses at the start instead of measuring something else."""
+    cfg = tiny_config(shapes_root, tmp_path, "monitor.every_n_steps=1", "monitor.attributions=[perturbation]")
+    with pytest.raises(ValueError, match="data.masks=true"):
+        run(cfg)
