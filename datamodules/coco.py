@@ -113,6 +113,8 @@ class CocoCaptions(Dataset):
             drops missing images and empty captions at construction and substitutes the next sample for an
             unreadable image, counting and logging each.
         max_samples: keep only the first N annotations of the file (before dropping any).
+        comp_mask_rule: with `mask_records`, how composition words become `comp_mask` tokens
+            (`datamodules.masks`: "every_occurrence" [ours] or "first_bpe_match", MACCO's original).
 
     Attributes:
         num_images: distinct images among the kept samples.
@@ -127,7 +129,7 @@ class CocoCaptions(Dataset):
                  on_bad_image: str = "error", max_samples: Optional[int] = None,
                  karpathy_splits: Sequence[str] = KARPATHY_TRAIN_SPLITS,
                  exclude_image_ids: Optional[Set[int]] = None, mask_records: Optional[Dict[int, dict]] = None,
-                 geometry: Optional[PatchGeometry] = None):
+                 geometry: Optional[PatchGeometry] = None, comp_mask_rule: str = "every_occurrence"):
         _check_options(tokenizer, num_hard_negatives, on_bad_image, max_samples)
         self.annotations = os.fspath(annotations)
         self.image_dir = os.fspath(image_dir)
@@ -135,6 +137,7 @@ class CocoCaptions(Dataset):
         self.num_hard_negatives = num_hard_negatives
         self.on_bad_image = on_bad_image
         self.geometry = geometry
+        self.comp_mask_rule = comp_mask_rule
         records = read_annotation_file(self.annotations, karpathy_splits)[:max_samples]
         records = self._drop_excluded_images(records, exclude_image_ids or set())
         records = self._drop_empty_captions(records)
@@ -198,7 +201,8 @@ class CocoCaptions(Dataset):
                              f"(e.g. id {missing[0]}); rerun python -m datamodules.preprocess")
         if self.geometry is None:
             raise ValueError("masks need a PatchGeometry (image size and patch grid)")
-        return CaptionMasks([mask_records[r.caption_id] for r in records], tokenizer, self.context_length)
+        return CaptionMasks([mask_records[r.caption_id] for r in records], tokenizer, self.context_length,
+                            self.comp_mask_rule)
 
     def _drop_empty_captions(self, records: List[CaptionRecord]) -> List[CaptionRecord]:
         empty = [record.caption_id for record in records if not record.caption]
@@ -516,7 +520,8 @@ class CocoDataModule(L.LightningDataModule):
 
         geometry = PatchGeometry(CropResize.from_open_clip(self.image_config, train=False).size, self.grid_size,
                                  self.data.patch_mask_min_overlap, self.data.random_rectangle_prob)
-        return {"mask_records": mask_records(self.data, self.preprocess, split), "geometry": geometry}
+        return {"mask_records": mask_records(self.data, self.preprocess, split), "geometry": geometry,
+                "comp_mask_rule": self.data.comp_mask_rule}
 
     def _world_size_and_rank(self) -> Tuple[int, int]:
         if self.trainer is None:

@@ -2,13 +2,18 @@
 
 Token masks (`obj_mask`, `comp_mask`, and `comp_mask` split into `attr_mask` / `rel_mask`) are computed once per
 caption when the dataset is built (the spans are fixed), together with the counts of the parsed words per kind
-(CLIP-CAE's replacement vocabulary, datamodules/word_vocabulary.py); the patch mask is drawn per sample: with probability `random_rectangle_prob` a random rectangle of
-the patch grid, otherwise the boxes of one phrase of the caption, sampled uniformly, mapped through the
-sample's crop (MACCO). Everything is stored in flat numpy arrays indexed by offsets, so forked DataLoader
-workers share it instead of copying Python objects.
+(CLIP-CAE's replacement vocabulary, datamodules/word_vocabulary.py). `comp_mask` follows `data.comp_mask_rule`:
+"every_occurrence" [ours, default] masks the tokens of the exact character spans of every composition word the
+parser found; "first_bpe_match" is MACCO's original rule (`parsers.token_alignment.first_bpe_match_mask`, given
+the words of the cached scene graph by `composition_words`). The patch mask is drawn per sample: with probability
+`random_rectangle_prob` a random rectangle of the patch grid (MACCO's distribution,
+`parsers.grounding.random_rectangle_mask`), otherwise the boxes of one phrase of the caption, sampled uniformly,
+mapped through the sample's crop (MACCO). Everything is stored in flat numpy arrays indexed by offsets, so forked
+DataLoader workers share it instead of copying Python objects.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -16,7 +21,12 @@ import numpy as np
 
 from datamodules.word_vocabulary import RELATION, count_words, record_word_kinds
 from parsers.grounding import boxes_to_patch_mask, random_rectangle_mask
-from parsers.token_alignment import caption_masks, spans_to_token_mask
+from parsers.token_alignment import caption_masks, first_bpe_match_mask, spans_to_token_mask
+
+COMP_MASK_RULES = ("every_occurrence", "first_bpe_match")
+# Text the parser leaves between the words of one relation that MACCO's relation strings contain: "to the
+# left of" is the relation "to left of" of the cached graph, and one string, "the" included, in the original.
+_RELATION_GAP = re.compile(r"\s+(?:the\s+)?", re.IGNORECASE)
 
 
 @dataclass
@@ -33,28 +43,36 @@ class CaptionMasks:
     """Masks of the dataset's samples, in dataset order.
 
     Args:
-        records: cache records of the kept samples, in dataset order (caption, obj/comp spans, phrases).
+        records: cache records of the kept samples, in dataset order (caption, obj/comp spans, phrases, graph).
         tokenizer: the model's open_clip tokenizer.
         context_length: L of the token masks.
+        comp_mask_rule: "every_occurrence" [ours] or "first_bpe_match" (MACCO's original), see the module.
     """
 
-    def __init__(self, records: Sequence[dict], tokenizer, context_length: int):
-        self.obj, self.comp, self.rel = self._token_masks(records, tokenizer, context_length)
+    def __init__(self, records: Sequence[dict], tokenizer, context_length: int,
+                 comp_mask_rule: str = "every_occurrence"):
+        if comp_mask_rule not in COMP_MASK_RULES:
+            raise ValueError(f"comp_mask_rule {comp_mask_rule!r} is not one of {', '.join(COMP_MASK_RULES)}")
+        self.obj, self.comp, self.rel = self._token_masks(records, tokenizer, context_length, comp_mask_rule)
         self.phrase_offsets, self.box_offsets, self.boxes = _flatten_phrase_boxes(records)
         self.word_counts = count_words(records)  # kind code -> Counter of the parsed words' texts
 
     @staticmethod
-    def _token_masks(records: Sequence[dict], tokenizer,
-                     context_length: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _token_masks(records: Sequence[dict], tokenizer, context_length: int,
+                     comp_mask_rule: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         obj = np.zeros((len(records), context_length), dtype=bool)
         comp, rel = np.zeros_like(obj), np.zeros_like(obj)
         for row, record in enumerate(records):
             caption = record["caption"]
             obj[row], comp[row] = caption_masks(caption, [tuple(s) for s in record["obj_spans"]],
                                                 [tuple(s) for s in record["comp_spans"]], tokenizer, context_length)
-            relations = [span for span, kind in record_word_kinds(record).items() if kind == RELATION]
-            # relation tokens among the composition tokens (the rest of them are attribute tokens)
-            rel[row] = comp[row] & spans_to_token_mask(caption, relations, tokenizer, context_length)
+            if comp_mask_rule == "first_bpe_match":
+                comp[row] = first_bpe_match_mask(caption, composition_words(record), tokenizer, context_length)
+                relations = first_bpe_match_mask(caption, relation_words(record), tokenizer, context_length)
+            else:
+                spans = [span for span, kind in record_word_kinds(record).items() if kind == RELATION]
+                relations = spans_to_token_mask(caption, spans, tokenizer, context_length)
+            rel[row] = comp[row] & relations  # relation tokens; the other composition tokens are attributes
         return np.packbits(obj, axis=1), np.packbits(comp, axis=1), np.packbits(rel, axis=1)
 
     def token_masks(self, index: int, context_length: int) -> Dict[str, np.ndarray]:
@@ -97,3 +115,32 @@ def _flatten_phrase_boxes(records: Iterable[dict]) -> Tuple[np.ndarray, np.ndarr
     phrase_offsets = np.concatenate([[0], np.cumsum(phrase_counts)]).astype(np.int64)
     box_offsets = np.concatenate([[0], np.cumsum(box_counts)]).astype(np.int64)
     return phrase_offsets, box_offsets, np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
+
+
+def composition_words(record: dict) -> List[str]:
+    """The relation strings, then the attribute words, of a cache record's scene graph, as MACCO's original
+    lists give them to its word -> token rule.
+
+    A relation's words (caption order) form one string per run of words separated only by whitespace or by
+    " the ": the graph's "to left of" is "to the left of", "next to" stays one string, and a verb with a
+    particle after its object ("holding a sign up") gives "holding" and "up".
+    """
+    caption, graph = record["caption"], record["graph"]
+    return relation_words(record) + [caption[start:end] for entity in graph["entities"]
+                                     for start, end in entity["attributes"]]
+
+
+def relation_words(record: dict) -> List[str]:
+    """The relation strings of a cache record's scene graph (see `composition_words`)."""
+    caption = record["caption"]
+    return [text for relation in record["graph"]["relations"] for text in _relation_strings(caption, relation["words"])]
+
+
+def _relation_strings(caption: str, spans: Sequence[Sequence[int]]) -> List[str]:
+    runs: List[List[int]] = []
+    for start, end in sorted(tuple(span) for span in spans):
+        if runs and _RELATION_GAP.fullmatch(caption[runs[-1][1]:start]):
+            runs[-1][1] = end
+        else:
+            runs.append([start, end])
+    return [caption[start:end] for start, end in runs]

@@ -80,7 +80,8 @@ class MethodConfig:
     attr_margin: float = 0.0
     attr_hinge: str = "batch"
     # MACCO-CLIP: loss weights (1 L_mca + 0.1 L_mir + 20 L_mlm + 250 L_mim), predictor depths and heads, and
-    # whether the predictors' cross-attention masks padded text keys / nothing (the original has no mask).
+    # whether the image predictor masks the text keys after EOS [ours; the original has no mask: false in
+    # configs/macco.yaml]. Without the mask the text runs untrimmed (all 77 positions are keys, as the original).
     mca_weight: float = 1.0
     mir_weight: float = 0.1
     mlm_weight: float = 20.0
@@ -134,7 +135,12 @@ class DataConfig:
     exclude_image_ids: Optional[str] = None
     # Read obj_mask / comp_mask / patch_mask from the preprocessing cache (python -m datamodules.preprocess).
     masks: bool = False
-    # Patch masks (MACCO): a random rectangle instead of a phrase's boxes with this probability.
+    # Composition words -> comp_mask tokens: "every_occurrence" [ours] masks the exact character spans of every
+    # composition word; "first_bpe_match" is MACCO's original: each relation / attribute string BPE-encoded
+    # alone, "the" skipped, only its first contiguous id match in the caption masked (datamodules/masks.py).
+    comp_mask_rule: str = "every_occurrence"
+    # Patch masks (MACCO): a random rectangle (the original's distribution, ~75% of the grid) instead of a
+    # phrase's boxes with this probability.
     random_rectangle_prob: float = 0.1
     # Fraction of a patch's area a box must cover for the patch to be masked (0 = any overlap).
     patch_mask_min_overlap: float = 0.0
@@ -285,6 +291,7 @@ class ConfigError(ValueError):
 
 _CHOICES = {
     "data.on_bad_image": ("error", "skip"),
+    "data.comp_mask_rule": ("every_occurrence", "first_bpe_match"),
     "optim.logit_scale_group": ("backbone", "head"),
     "checkpoint.mode": ("min", "max"),
     "preprocess.grounder": ("groundingdino", "annotations", "none"),

@@ -11,11 +11,15 @@ Examples:
 Each benchmark reads `<data-root>/<name>/` unless `--root NAME=DIR` says otherwise; `--set NAME.OPTION=VALUE`
 passes a constructor option (image folders, splits). `--scorer` picks how a model scores an image and a text
 (`clip`: global cosine, the default; `sgi`: structure-guided inference), `--scorer-option KEY=VALUE` sets one
-of its options. Results go to `--out` (default `<run>/eval`, or `eval/<model>-<pretrained>`, with `-<scorer>`
-appended for a scorer other than clip): per-item `<name>/outcomes.jsonl`, `aggregates.json`, `results.md`,
-`results.csv`. When a run holds every part of a registered combined aggregate (`datamodules.benchmarks.COMBINED`,
-e.g. What'sUp's Table 1 means: `whatsup_ab` = mean of whatsup_a and whatsup_b), its numbers are written beside
-the benchmarks' own, and `--reaggregate` prints them too.
+of its options (sgi: `grids=paper|paper_overlap|ours18|<spec>`, `resize=stretch|pad`, `global_weight=W`). A
+scorer that is not the global cosine (sgi) is followed by the global cosine of the same model on the same
+benchmarks, timed only (fresh caches, outcomes not written): the seconds per item of both go into the metadata
+(`cost_vs_global_cosine`) and the printout, unless `--no-cost-comparison`. Results go to `--out` (default
+`<run>/eval`, or `eval/<model>-<pretrained>`, with `-<scorer>` appended for a scorer other than clip): per-item
+`<name>/outcomes.jsonl`, `aggregates.json`, `results.md`, `results.csv`. When a run holds every part of a
+registered combined aggregate (`datamodules.benchmarks.COMBINED`, e.g. What'sUp's Table 1 means: `whatsup_ab` =
+mean of whatsup_a and whatsup_b), its numbers are written beside the benchmarks' own, and `--reaggregate`
+prints them too.
 """
 from __future__ import annotations
 
@@ -28,9 +32,11 @@ from typing import Dict, List, Optional, Sequence, Type
 import yaml
 
 from datamodules.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
-from lightning_modules.evaluation import (AGGREGATES_FILE, available_benchmarks, build_benchmarks,
-                                          combined_aggregates, default_roots, log_to_tensorboard, markdown_tables,
-                                          reaggregate, rewrite_tables, run_all, write_results)
+from datamodules.benchmarks.base import Benchmark
+from lightning_modules.evaluation import (AGGREGATES_FILE, BenchmarkResult, available_benchmarks,
+                                          build_benchmarks, combined_aggregates, default_roots, log_to_tensorboard,
+                                          markdown_tables, reaggregate, rewrite_tables, run_all, run_benchmark,
+                                          write_results)
 from lightning_modules.scorers import PRECISIONS, ClipScorer, Scorer
 from lightning_modules.sgi import SGIScorer
 from lightning_modules.tflocal import AlignerScorer, is_aligner_export
@@ -57,7 +63,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--scorer", default=DEFAULT_SCORER, choices=list(SCORERS),
                         help=f"how an image and a text are scored (default {DEFAULT_SCORER})")
     parser.add_argument("--scorer-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a scorer option, value parsed as YAML (sgi: grids=1,2,3,halves, global_weight=0.5)")
+                        help="a scorer option, value parsed as YAML (sgi: grids=paper|paper_overlap|ours18|"
+                             "1,2,3,halves, resize=stretch|pad, global_weight=0.5)")
+    parser.add_argument("--no-cost-comparison", action="store_true",
+                        help="do not time the global cosine of the same model beside a non-clip scorer")
     add_benchmark_arguments(parser)
     parser.add_argument("--out", type=Path, help="results folder")
     parser.add_argument("--tensorboard", type=Path, nargs="?", const=True, default=None,
@@ -191,6 +200,34 @@ def select_benchmarks(args: argparse.Namespace):
         raise SystemExit(f"missing benchmark data:\n{err}") from None
 
 
+def cost_against_global_cosine(benchmarks: Dict[str, Benchmark], results: Sequence[BenchmarkResult],
+                               scorer: Scorer, progress: bool = False) -> Dict[str, Dict[str, object]]:
+    """Per benchmark, seconds per item of `scorer` beside those of the global cosine of the same model,
+    measured in this run: the scorer's `global_cosine_twin()` (same model, device, precision and batching,
+    empty caches) scores the same benchmarks right after it, as the scorer did, keeping its caches across
+    benchmarks. Empty for a scorer without one (the global cosine itself)."""
+    twin = getattr(scorer, "global_cosine_twin", None)
+    if twin is None:
+        return {}
+    baseline = twin()
+    cost = {}
+    for result in results:
+        seconds = run_benchmark(benchmarks[result.name], baseline, progress=progress).seconds
+        items = len(result.outcomes)
+        cost[result.name] = {"items": items, "seconds_per_item": round(result.seconds / max(items, 1), 6),
+                             "global_cosine_seconds_per_item": round(seconds / max(items, 1), 6),
+                             "ratio": round(result.seconds / seconds, 2) if seconds > 0 else None}
+    return cost
+
+
+def cost_table(cost: Dict[str, Dict[str, object]]) -> str:
+    """The cost comparison as Markdown."""
+    lines = ["| benchmark | items | s/item | global cosine s/item | ratio |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {row['items']} | {row['seconds_per_item']:.4f} | "
+              f"{row['global_cosine_seconds_per_item']:.4f} | {row['ratio']} |" for name, row in cost.items()]
+    return "\n".join(lines)
+
+
 def print_reaggregated(folder: Path) -> None:
     """Each benchmark's aggregates recomputed from its stored outcomes, then the combined aggregates of those;
     the folder's aggregates.json, results.md and results.csv are written again from them."""
@@ -216,12 +253,18 @@ def main(argv: Optional[Sequence[str]] = None) -> List:
         results = run_all(benchmarks, scorer, progress=not args.no_progress)
     except MissingBenchmarkData as err:
         raise SystemExit(str(err)) from None
+    cost = {} if args.no_cost_comparison else cost_against_global_cosine(benchmarks, results, scorer,
+                                                                         progress=not args.no_progress)
     out = output_dir(args)
     metadata = {**scorer.describe(), "benchmarks": ",".join(benchmarks)}
+    if cost:
+        metadata["cost_vs_global_cosine"] = cost
     folder = write_results(out, results, metadata)
     if args.tensorboard is not None:
         log_to_tensorboard(results, tensorboard_dir(args, out))
     print(markdown_tables(results, metadata))
+    if cost:
+        print(cost_table(cost))
     earlier = sorted({r.name for r in folder} - {r.name for r in results})
     if earlier:
         print(f"{out} also holds earlier results of {', '.join(earlier)}; its tables list them all")

@@ -4,7 +4,9 @@
 through an autograd-aware all_gather, whose backward sums each rank's gradient for its slice; with
 `local_loss=True` each rank scores only its own rows against all columns (B x B*W logits, labels offset by
 B * rank). Averaging the ranks' parameter gradients (DDP) then gives exactly the single-process big-batch
-gradient. Rank and world size are read at call time, never captured at construction.
+gradient. MACCO's masked means (`L_mlm`, `L_mim`) gather their per-sample values the same way, so that they
+average over the valid samples of the global batch. Rank and world size are read at call time, never captured
+at construction.
 """
 from __future__ import annotations
 
@@ -196,12 +198,22 @@ def mean_over_masked_samples(per_item: Tensor, mask: Tensor) -> Tensor:
 
     `per_item` is [B, N]. Samples with an empty mask are left out (MACCO's averaging for L_mlm / L_mim); a
     batch without any masked position gives 0, still connected to the graph (no NaN from an empty mean).
+
+    Under data parallelism the second mean runs over the valid samples of the GLOBAL batch: every rank's
+    per-sample means are gathered with gradient and divided by the global count of valid samples, so every
+    rank holds the global value, and the ranks' gradients averaged by DDP equal the single-process gradient
+    of the global batch (a per-rank mean would weight ranks with fewer valid samples too much).
     """
     weights = mask.to(per_item.dtype)
     counts = weights.sum(dim=1)
-    per_sample = (per_item * weights).sum(dim=1) / counts.clamp(min=1)
     valid = (counts > 0).to(per_item.dtype)
-    return (per_sample * valid).sum() / valid.sum().clamp(min=1)
+    per_sample = (per_item * weights).sum(dim=1) / counts.clamp(min=1)  # 0 for an empty mask
+    rank, world_size = world_info()
+    if world_size > 1:
+        check_equal_batches(per_sample.shape[0], world_size, per_sample.device)
+    per_sample = gather_features(per_sample, rank, world_size, with_grad=True)
+    valid = gather_features(valid, rank, world_size, with_grad=False).detach()  # a count: no gradient
+    return per_sample.sum() / valid.sum().clamp(min=1)
 
 
 def masked_token_loss(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
@@ -214,7 +226,8 @@ def masked_token_loss(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
         mask: [B, L] bool, the masked positions.
 
     Returns:
-        Mean per sample over its masked tokens, then mean over samples with >= 1 masked token (fp32).
+        Mean per sample over its masked tokens, then mean over the samples with >= 1 masked token of the
+        global batch (fp32; see `mean_over_masked_samples`).
     """
     with torch.autocast(device_type=logits.device.type, enabled=False):
         per_token = F.cross_entropy(logits.float(), targets, reduction="none")
@@ -255,7 +268,8 @@ def masked_patch_loss(predicted: Tensor, target: Tensor, mask: Tensor) -> Tensor
         mask: [B, P] bool, the masked patches.
 
     Returns:
-        Mean per sample over its masked patches, then mean over samples with >= 1 masked patch (fp32).
+        Mean per sample over its masked patches, then mean over the samples with >= 1 masked patch of the
+        global batch (fp32; see `mean_over_masked_samples`).
     """
     with torch.autocast(device_type=predicted.device.type, enabled=False):
         per_patch = (predicted.float() - target.float()).pow(2).mean(dim=-1)

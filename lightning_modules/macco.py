@@ -8,12 +8,25 @@ reconstruct what was masked from the other modality:
 - text predictor: queries = masked-text tokens, keys/values = **detached** full-image patches -> vocabulary
   logits at the masked token positions only (`L_mlm`; never reaches the image encoder);
 - image predictor: queries = **detached** masked-image patches + fixed 2-D sin-cos positions, keys/values =
-  full-text tokens (not detached, so `L_mim` trains the text encoder) -> per-patch normalised pixels (`L_mim`).
+  full-text tokens (not detached, so `L_mim` trains the text encoder) -> LayerNorm, LayerNorm, Linear ->
+  per-patch normalised pixels (`L_mim`).
 
 Before either predictor every local token is averaged with its own sequence's global token. The image
 encoder therefore learns only through `L_mca` (2B x 2B contrast) and `L_mir` (masked vs full, per modality).
-`L = 1.0 L_mca + 0.1 L_mir + 20 L_mlm + 250 L_mim`. The predictors and mask tokens live outside `self.clip`,
-so they form the head parameter group and are not part of the export (a vanilla open_clip checkpoint).
+`L = 1.0 L_mca + 0.1 L_mir + 20 L_mlm + 250 L_mim`; under DDP `L_mlm` and `L_mim` average over the valid
+samples of the global batch. The predictors and mask tokens live outside `self.clip`, so they form the head
+parameter group and are not part of the export (a vanilla open_clip checkpoint).
+
+Official and ours. `configs/macco.yaml` reproduces the official code (hiker-lw/MACCO @ 97fbae1), checked
+against its numbers by tests/test_macco_parity.py: no key padding mask in the image predictor (all 77 text
+positions are keys, the text runs untrimmed), every head tensor and both mask tokens under weight decay 0.01,
+logit_scale in the head group (lr 1e-3, wd 0.01), the random rectangle's distribution
+(`parsers.grounding.random_rectangle_mask`). Ours, each an option (`configs/macco_ours.yaml`):
+`method.key_padding_mask=true` (keys after EOS ignored; the text then stops at the batch's last EOS, which
+is exact only with the mask), `optim.logit_scale_group=backbone`, `optim.head_decay_1d=false`. The word ->
+token rule is ours in both (`data.comp_mask_rule=every_occurrence`: the exact character spans of every
+composition word); the original's, where each word is BPE-encoded alone, "the" is skipped and only the
+first contiguous id match is masked, is `data.comp_mask_rule=first_bpe_match` (datamodules/masks.py).
 """
 from __future__ import annotations
 
@@ -152,8 +165,13 @@ class TextPredictor(nn.Module):
 
 
 class ImagePredictor(nn.Module):
-    """Masked-image patches (Linear + fixed 2-D sin-cos positions) attend to text tokens; LN + Linear to the
-    patch's p * p * 3 normalised pixels, laid out (row in patch, column in patch, channel) like `patchify`."""
+    """Masked-image patches (Linear + fixed 2-D sin-cos positions) attend to text tokens; then LayerNorm,
+    LayerNorm and Linear to the patch's p * p * 3 normalised pixels, laid out (row in patch, column in patch,
+    channel) like `patchify`.
+
+    The two LayerNorms in a row are the original's (its `ln` ends the cross-attention stack, its pixel head
+    `proj` is LayerNorm + Linear); here `ln_post`, then `ln` + `head`, so trained weights map one to one.
+    """
 
     def __init__(self, width: int, depth: int, heads: int, grid: Tuple[int, int], patch_size: int,
                  channels: int = 3):
@@ -161,8 +179,9 @@ class ImagePredictor(nn.Module):
         self.embed = nn.Linear(width, width)
         self.register_buffer("positions", sincos_2d_positions(width, grid), persistent=False)
         self.blocks = cross_attention_stack(width, depth, heads)
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, patch_size * patch_size * channels)
+        self.ln_post = nn.LayerNorm(width)  # the original's `ln`
+        self.ln = nn.LayerNorm(width)  # the original's `proj.0`
+        self.head = nn.Linear(width, patch_size * patch_size * channels)  # the original's `proj.1`
         # the original's init of the pixel head
         nn.init.xavier_uniform_(self.head.weight, gain=1 / math.sqrt(width))
         nn.init.zeros_(self.head.bias)
@@ -170,7 +189,7 @@ class ImagePredictor(nn.Module):
     def forward(self, queries: Tensor, keys: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
         """Queries [B, P, D], keys [B, L, D] (`key_padding_mask` [B, L], True = ignored) -> pixels [B, P, K]."""
         x = self.embed(queries) + self.positions.to(queries.dtype)
-        return self.head(self.ln(run_stack(self.blocks, x, keys, key_padding_mask)))
+        return self.head(self.ln(self.ln_post(run_stack(self.blocks, x, keys, key_padding_mask))))
 
 
 # ----- the method -------------------------------------------------------------------------------------------
@@ -205,7 +224,7 @@ class MaccoCLIP(CompositionalCLIPModule):
     """MACCO-CLIP; needs `data.masks=true` (`comp_mask` and `patch_mask` in every batch).
 
     Config: `method.{mca,mir,mlm,mim}_weight`, `method.{text,image}_predictor_depth`, `method.predictor_heads`,
-    `method.key_padding_mask` (mask text keys after EOS in the image predictor; the original has none).
+    `method.key_padding_mask` (mask text keys after EOS in the image predictor [ours]; the original has none).
     """
 
     def __init__(self, cfg: DictConfig):

@@ -23,7 +23,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
@@ -579,44 +579,48 @@ def boxes_to_patch_mask(boxes: Iterable[Sequence[float]], crop: Sequence[float],
     return covered.any(axis=0).reshape(-1)
 
 
-def _rectangle_shape(rng: np.random.Generator, grid: int, lo: float, hi: float) -> Tuple[int, int]:
-    """(height, width) in patches with area in [lo, hi] * grid^2 when possible, else as close as possible.
+@lru_cache(maxsize=64)  # called per sample in the DataLoader, with the same few settings
+def rectangle_shapes(grid: int, ratio: float = 0.75, tolerance: float = 0.25) -> Tuple[Tuple[int, int], ...]:
+    """The (height, width) pairs, in patches, that MACCO's random rectangle accepts on a grid x grid grid.
 
-    The target area is uniform in the band; the height is uniform over the heights that can reach the band
-    (this is the random aspect); the width is the feasible one closest to target / height.
+    The original draws h and w uniformly in 1..grid and keeps them when |h w - r| <= max(1, tolerance r), with
+    r = round(ratio grid^2) (Python's rounding). On 7 x 7 at ratio 0.75: r = 37, nine shapes, areas 28-42.
     """
-    cells = grid * grid
-    target = rng.uniform(lo, hi) * cells
-    sides = np.arange(1, grid + 1)
-    area = sides[:, None] * sides[None, :]  # [height - 1, width - 1]
-    distance = np.maximum(np.maximum(lo * cells - area, area - hi * cells), 0.0)
-    feasible = distance <= distance.min() + 1e-9
-    height = int(rng.choice(sides[feasible.any(axis=1)]))
-    widths = sides[feasible[height - 1]]
-    width = int(widths[np.argmin(np.abs(widths - target / height))])
-    return height, width
+    if not 0 < ratio <= 1:
+        raise ValueError(f"random rectangle ratio must lie in (0, 1], got {ratio}")
+    if tolerance < 0:
+        raise ValueError(f"random rectangle tolerance must be >= 0, got {tolerance}")
+    target = round(ratio * grid * grid)
+    slack = max(1.0, tolerance * target)
+    shapes = [(h, w) for h in range(1, grid + 1) for w in range(1, grid + 1) if abs(h * w - target) <= slack]
+    if not shapes:
+        raise ValueError(f"no rectangle on a {grid} x {grid} grid has an area within {slack} of {target} "
+                         f"(ratio {ratio}, tolerance {tolerance})")
+    return tuple(shapes)
 
 
 def random_rectangle_mask(rng: np.random.Generator, grid: int, ratio: float = 0.75,
-                          jitter: float = 0.25) -> np.ndarray:
-    """MACCO's random image mask: one axis-aligned rectangle of about `ratio` (+- `jitter`) of the patch grid.
+                          tolerance: float = 0.25) -> np.ndarray:
+    """MACCO's random image mask: one axis-aligned rectangle of about `ratio` of the patch grid [code].
 
-    The area fraction is uniform in [ratio - jitter, ratio + jitter] clipped to (0, 1] and realised in whole
-    patches (the rectangle's area lies in that band whenever some h x w rectangle does); aspect and position
-    are random.
+    The shape is uniform over `rectangle_shapes(grid, ratio, tolerance)`: the same distribution as the
+    original's loop, which redraws h and w uniformly in 1..grid until the area is accepted, but in bounded
+    time. Then top and left are uniform over the positions where the rectangle fits. On a 7 x 7 grid the areas
+    are 28, 30, 35, 36 and 42 with probabilities 2/9, 2/9, 2/9, 1/9 and 2/9; the whole grid is never masked.
+    With tolerance >= 0.25 some shape is always accepted: some h x w lies within max(1, r / 4) of any r in
+    0..grid^2 (a smaller tolerance can leave none, which is an error).
 
     Args:
         rng: numpy random generator.
         grid: patches per side.
-        ratio: mean masked area fraction.
-        jitter: half-width of the uniform area band.
+        ratio: target masked fraction of the grid (0.75 in MACCO's config).
+        tolerance: accepted relative deviation of the area from the target (0.25 in the original code).
 
     Returns:
         Bool [grid * grid], row-major.
     """
-    lo = min(max(ratio - jitter, 1.0 / (grid * grid)), 1.0)
-    hi = min(max(ratio + jitter, lo), 1.0)
-    height, width = _rectangle_shape(rng, grid, lo, hi)
+    shapes = rectangle_shapes(grid, ratio, tolerance)
+    height, width = shapes[int(rng.integers(len(shapes)))]
     top = int(rng.integers(grid - height + 1))
     left = int(rng.integers(grid - width + 1))
     mask = np.zeros((grid, grid), dtype=bool)

@@ -156,6 +156,50 @@ def caption_masks(
     return obj_mask, comp_mask
 
 
+def first_bpe_match_mask(caption: str, words: Sequence[str], tokenizer: SimpleTokenizer,
+                         context_length: int = 77) -> np.ndarray:
+    """MACCO's original word -> token rule [code] (`data.comp_mask_rule=first_bpe_match`).
+
+    Each word (or multi-word relation such as "to the left of") is BPE-encoded on its own, lower-cased and
+    without SOT/EOT; words equal to "the" (any case) are skipped. The first contiguous occurrence of its ids
+    in the caption's `context_length` ids, searched from position 0, is masked; nothing when there is none.
+    Unlike `caption_masks` (ours: the exact character spans of every listed occurrence), a repeated word
+    masks the same first occurrence again, a multi-word relation is matched as one sequence (its "the"
+    included), and matching is on BPE tokens, not words ("red" hits the last piece of "multicolored").
+
+    Args:
+        caption: the raw caption.
+        words: the relation words, then the attribute words, as strings (order does not change the mask).
+        tokenizer: an open_clip ``SimpleTokenizer``.
+        context_length: length of the tokenized sequence.
+
+    Returns:
+        bool [context_length].
+    """
+    ids = tokenizer([caption])[0].tolist()
+    if len(ids) != context_length:
+        raise ValueError(f"the tokenizer gives {len(ids)} ids per caption, expected {context_length}")
+    mask = np.zeros(context_length, dtype=bool)
+    for word in words:
+        if word.lower() == "the":
+            continue
+        found = _first_occurrence(ids, tokenizer.encode(word.lower()))
+        if found is not None:
+            mask[found[0]:found[1]] = True
+    return mask
+
+
+def _first_occurrence(ids: Sequence[int], pattern: Sequence[int]) -> Optional[Tuple[int, int]]:
+    """[start, end) of the first contiguous occurrence of ``pattern`` in ``ids``; None if absent or empty."""
+    width = len(pattern)
+    if not width:
+        return None
+    for start in range(len(ids) - width + 1):
+        if ids[start] == pattern[0] and list(ids[start:start + width]) == list(pattern):
+            return start, start + width
+    return None
+
+
 def _lowercases(tokenizer: SimpleTokenizer) -> bool:
     """Whether the tokenizer lowercases; rejects tokenizers whose positions cannot be replayed."""
     if not isinstance(tokenizer, SimpleTokenizer) or tokenizer.reduction_fn is not None:

@@ -4,7 +4,10 @@ For each benchmark, stand-in files in the official format are written under `run
 and the harness runs end to end with a fresh scorer (so every image and text is encoded). For item
 benchmarks the same first `--compare-items` items are also scored the way the reference scripts do (each
 item's images and texts encoded on their own, nothing reused), alternating with the harness, and the
-ratio of the two medians is printed. Random weights: throughput does not depend on them. A benchmark, not a
+ratio of the two medians is printed. With `--sgi paper,paper_overlap,ours18` the first `--sgi-items` items of
+each item benchmark are also scored by SGI with each of those crop sets, alternating with the global cosine of
+the same model (each scorer fresh, caption parsing included), and the seconds per item of each, their ratio and
+the image encodes per image are printed. Random weights: throughput does not depend on them. A benchmark, not a
 test.
 """
 from __future__ import annotations
@@ -25,6 +28,8 @@ from datamodules.benchmarks.base import ItemBenchmark, unique
 from datamodules.benchmarks.standin import STANDINS
 from lightning_modules.evaluation import run_benchmark
 from lightning_modules.scorers import ClipScorer, Scorer
+from lightning_modules.sgi import CROP_SETS, SGIScorer, crops_per_image, parse_grids
+from parsers.scene_graph import SceneGraphParser
 
 DEFAULT_ROOT = Path("runs/perf_evaluate")
 
@@ -35,6 +40,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--items", type=int, default=400, help="stand-in items per benchmark")
     parser.add_argument("--compare-items", type=int, default=60, help="items in the side-by-side comparison")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the comparison")
+    parser.add_argument("--sgi", default="", help=f"SGI crop sets to time beside the global cosine "
+                                                  f"(comma list of {', '.join(CROP_SETS)}; default none)")
+    parser.add_argument("--sgi-items", type=int, default=20, help="items in the SGI comparison")
     parser.add_argument("--model", default="ViT-B-32")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--num-workers", type=int, default=2)
@@ -64,7 +72,11 @@ def write_standin(name: str, root: Path, items: int) -> dict:
 
 
 def harness_seconds(benchmark: ItemBenchmark, items: list, make_scorer) -> float:
-    scorer = make_scorer()
+    return timed_run(benchmark, items, make_scorer())
+
+
+def timed_run(benchmark: ItemBenchmark, items: list, scorer: Scorer) -> float:
+    """Seconds for `scorer` (fresh) to prepare and score `items` as the harness does."""
     start = time.perf_counter()
     scorer.prepare(unique(r for item in items for r in item.images), unique(t for item in items for t in item.texts))
     for item in items:
@@ -91,6 +103,28 @@ def compare(benchmark: ItemBenchmark, count: int, rounds: int, make_scorer) -> D
             "per_item_items_per_s": len(items) / p, "speedup": p / h}
 
 
+def compare_sgi(benchmark: ItemBenchmark, count: int, rounds: int, make_scorer, crop_sets: Sequence[str],
+                parser: SceneGraphParser) -> Dict[str, float]:
+    """Seconds per item of SGI with each crop set and of the global cosine of the same model on the same items,
+    alternating (medians of `rounds`), and the image encodes per image of each."""
+    items = benchmark.items()[:count]
+    seconds: Dict[str, List[float]] = {"global": [], **{name: [] for name in crop_sets}}
+    encodes: Dict[str, float] = {"global": 1.0}
+    for _ in range(rounds):
+        seconds["global"].append(timed_run(benchmark, items, make_scorer()))
+        for name in crop_sets:
+            scorer = SGIScorer(make_scorer(), grids=name, parser=parser)
+            seconds[name].append(timed_run(benchmark, items, scorer))
+            encodes[name] = scorer.describe()["sgi_image_encodes_per_image"]
+    per_item = {label: statistics.median(values) / len(items) for label, values in seconds.items()}
+    row = {"sgi_items": len(items), "global_s_per_item": per_item["global"]}
+    for name in crop_sets:
+        row.update({f"sgi_{name}_s_per_item": per_item[name], f"sgi_{name}_ratio": per_item[name] / per_item["global"],
+                    f"sgi_{name}_crops": crops_per_image(parse_grids(name)),
+                    f"sgi_{name}_image_encodes_per_image": encodes[name]})
+    return row
+
+
 def measure(name: str, args: argparse.Namespace, make_scorer) -> Dict[str, float]:
     options = write_standin(name, args.root, args.items)
     benchmark = build_benchmark(name, args.root / name, **options)
@@ -99,6 +133,8 @@ def measure(name: str, args: argparse.Namespace, make_scorer) -> Dict[str, float
            "items_per_s": len(result.outcomes) / result.seconds}
     if isinstance(benchmark, ItemBenchmark) and args.compare_items:
         row.update(compare(benchmark, args.compare_items, args.rounds, make_scorer))
+    if isinstance(benchmark, ItemBenchmark) and args.sgi_sets:
+        row.update(compare_sgi(benchmark, args.sgi_items, args.rounds, make_scorer, args.sgi_sets, args.parser))
     return row
 
 
@@ -111,8 +147,27 @@ def format_table(rows: Dict[str, Dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def format_sgi_table(rows: Dict[str, Dict[str, float]], crop_sets: Sequence[str]) -> str:
+    """Seconds per item of SGI beside the global cosine (ratio; image encodes per image)."""
+    header = "| benchmark | items | global cosine s/item | " + " | ".join(f"SGI {n} s/item" for n in crop_sets) + " |"
+    lines = [header, "|---|---:|---:|" + "---:|" * len(crop_sets)]
+    for name, row in rows.items():
+        if "sgi_items" not in row:
+            continue
+        cells = [f"{row[f'sgi_{n}_s_per_item']:.4f} ({row[f'sgi_{n}_ratio']:.1f}x; "
+                 f"{row[f'sgi_{n}_image_encodes_per_image']} encodes/image)" for n in crop_sets]
+        lines.append(f"| {name} | {row['sgi_items']} | {row['global_s_per_item']:.4f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, float]]:
     args = parse_args(argv)
+    args.sgi_sets = [n.strip() for n in args.sgi.split(",") if n.strip()]
+    for crop_set in args.sgi_sets:
+        parse_grids(crop_set)  # a bad name fails before any work
+    args.parser = SceneGraphParser() if args.sgi_sets else None
+    if args.parser is not None:
+        args.parser.parse(["a red cube"])  # load spaCy before any timing
     torch.manual_seed(0)
     scorer = ClipScorer.from_pretrained(args.model, None, batch_size=args.batch_size, num_workers=args.num_workers)
 
@@ -124,10 +179,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, float]]:
     rows = {}
     for name in names:
         rows[name] = measure(name, args, make_scorer)
-        print(f"{name}: {json.dumps({k: round(v, 2) for k, v in rows[name].items()})}", flush=True)
+        shown = {k: v if isinstance(v, int) else float(f"{v:.4g}") for k, v in rows[name].items()}
+        print(f"{name}: {json.dumps(shown)}", flush=True)
     print(f"\n{args.model} (random weights), CPU threads {torch.get_num_threads()}, "
           f"{args.items} stand-in items per benchmark\n")
     print(format_table(rows))
+    if args.sgi_sets:
+        print(f"\nSGI beside the global cosine (first {args.sgi_items} items, medians of {args.rounds} rounds)\n")
+        print(format_sgi_table(rows, args.sgi_sets))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))
     return rows

@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from parsers.grounding import (
     groundingdino_image_tensor,
     mention_boxes,
     random_rectangle_mask,
+    rectangle_shapes,
     select_boxes,
 )
 
@@ -376,26 +378,52 @@ def rectangle_of(mask, grid):
     return rows.min(), rows.max(), cols.min(), cols.max()
 
 
-@pytest.mark.parametrize("grid", [7, 14])
-def test_random_rectangle_area_and_shape(grid):
+def reference_shapes(grid, ratio=0.75, tolerance=0.25):
+    """The original's acceptance test, written out: h, w in 1..grid, |h w - round(ratio grid^2)| <= max(1, tol r)."""
+    target = round(ratio * grid * grid)
+    return {(h, w) for h in range(1, grid + 1) for w in range(1, grid + 1)
+            if abs(h * w - target) <= max(1, tolerance * target)}
+
+
+@pytest.mark.parametrize("grid", [4, 7, 14, 16])
+def test_random_rectangle_is_one_accepted_rectangle(grid):
     rng = np.random.default_rng(1)
-    heights = set()
+    shapes = reference_shapes(grid)
+    assert set(rectangle_shapes(grid)) == shapes
+    seen = set()
     for _ in range(300):
         mask = random_rectangle_mask(rng, grid)
         assert mask.shape == (grid * grid,) and mask.dtype == bool
-        assert 0.5 <= mask.mean() <= 1.0
         top, bottom, left, right = rectangle_of(mask, grid)
         assert mask.reshape(grid, grid)[top:bottom + 1, left:right + 1].all()  # one filled rectangle
         assert mask.sum() == (bottom - top + 1) * (right - left + 1)
-        heights.add(bottom - top + 1)
-    assert len(heights) >= 3  # random aspect
+        seen.add((bottom - top + 1, right - left + 1))
+    assert seen <= shapes and len(seen) >= min(len(shapes), 3)  # random shapes, only accepted ones
+    assert not (grid > 1 and (grid, grid) in shapes)  # at ratio 0.75 the whole grid is never masked
 
 
-def test_random_rectangle_exact_band_and_determinism():
+def test_random_rectangle_shapes_on_seven_by_seven_and_other_ratios():
+    # r = round(36.75) = 37, tolerance 9.25: areas 28, 30, 35, 36, 42 (METHODS.md, MACCO-CLIP)
+    assert sorted(h * w for h, w in rectangle_shapes(7)) == [28, 28, 30, 30, 35, 35, 36, 42, 42]
+    assert set(rectangle_shapes(4, ratio=0.5)) == reference_shapes(4, ratio=0.5) == {
+        (2, 3), (3, 2), (2, 4), (4, 2), (3, 3)}  # r = 8, tolerance max(1, 2) = 2: areas 6..10
+    assert rectangle_shapes(7, ratio=1.0) == ((6, 7), (7, 6), (7, 7))  # r = 49, tolerance 12.25
+    assert rectangle_shapes(1) == ((1, 1),)
+    with pytest.raises(ValueError, match="ratio"):
+        rectangle_shapes(7, ratio=0.0)
+    with pytest.raises(ValueError, match="no rectangle"):
+        rectangle_shapes(7, ratio=47 / 49, tolerance=0.0)  # r = 47: 46 and 48 have no factors <= 7 either
+
+
+def test_random_rectangle_positions_are_uniform_and_seeded():
     rng = np.random.default_rng(2)
-    for _ in range(20):
-        assert random_rectangle_mask(rng, 4, ratio=0.5, jitter=0.0).sum() == 8  # 2x4 or 4x2
-    assert random_rectangle_mask(rng, 7, ratio=1.0, jitter=0.0).all()
+    tops = Counter()
+    for _ in range(2000):
+        mask = random_rectangle_mask(rng, 4, ratio=0.5, tolerance=0.0)  # r = 8, tolerance 1: areas 7..9
+        top, bottom, left, right = rectangle_of(mask, 4)
+        if (bottom - top + 1, right - left + 1) == (2, 4):
+            tops[top] += 1
+    assert set(tops) == {0, 1, 2} and min(tops.values()) > 0.2 * sum(tops.values())  # 3 positions, ~1/3 each
     first = [random_rectangle_mask(np.random.default_rng(3), 14) for _ in range(2)]
     assert np.array_equal(*first)
     draws = [random_rectangle_mask(np.random.default_rng(seed), 14) for seed in range(5)]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_fit import mask_cache, shapes_root, tiny_config  # noqa: F401 (pytest fixtures)
 
@@ -20,7 +21,7 @@ from lightning_modules.export import load_export
 from lightning_modules.fit import run
 from lightning_modules.losses import (masked_contrastive_loss, masked_patch_loss, masked_token_loss,
                                       normalised_patch_targets, patchify)
-from lightning_modules.macco import MaccoCLIP, padding_positions, sincos_2d_positions
+from lightning_modules.macco import MaccoCLIP, padding_positions, run_stack, sincos_2d_positions
 from tolerance import scaled_close
 
 CAPTIONS = ["a red cube to the left of a blue ball", "a man riding a horse", "a dog", "a small green triangle"]
@@ -176,7 +177,8 @@ def make_batch(module: MaccoCLIP) -> dict:
 def test_default_weights_are_the_papers():
     m = load_config([], ["method.name=macco"]).method
     assert (m.mca_weight, m.mir_weight, m.mlm_weight, m.mim_weight) == (1.0, 0.1, 20.0, 250.0)
-    assert (m.text_predictor_depth, m.image_predictor_depth, m.key_padding_mask) == (2, 3, True)
+    assert (m.text_predictor_depth, m.image_predictor_depth) == (2, 3)
+    assert m.key_padding_mask  # the schema's default is ours; configs/macco.yaml turns it off (the original)
 
 
 def test_every_term_equals_its_slow_reference_with_its_weight(module):
@@ -359,6 +361,22 @@ def test_key_padding_mask_hides_the_keys_after_eos(module):
         assert not scaled_close(predictor(queries, keys), predictor(queries, edited), 1e-3)
 
 
+def test_image_predictor_ends_with_two_layernorms_then_the_pixel_head():
+    """As the original: its `ln`, then its head `proj` = LayerNorm + Linear (ours: ln_post, ln, head)."""
+    module = make_module()
+    predictor = module.image_predictor
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for ln in (predictor.ln_post, predictor.ln):  # affine away from (1, 0), so that each LayerNorm shows
+            ln.weight.copy_(1 + 0.3 * torch.randn(64, generator=g))
+            ln.bias.copy_(0.3 * torch.randn(64, generator=g))
+        queries, keys = torch.randn(2, GRID * GRID, 64, generator=g), torch.randn(2, 9, 64, generator=g)
+        blocks = run_stack(predictor.blocks, predictor.embed(queries) + predictor.positions, keys)
+        expected = predictor.head(predictor.ln(predictor.ln_post(blocks)))
+        assert scaled_close(predictor(queries, keys), expected, 1e-6)  # the same operations
+        assert not scaled_close(predictor.head(predictor.ln(blocks)), expected, 1e-3)  # one LayerNorm less
+
+
 def test_missing_masks_name_the_setting(module):
     batch = make_batch(module)
     del batch["patch_mask"]
@@ -372,29 +390,52 @@ def group_names(module: MaccoCLIP) -> dict:
     return {g["name"]: (g, {name_of[id(p)] for p in g["params"]}) for g in module.param_groups()}
 
 
-@pytest.mark.parametrize("logit_scale_group", ["backbone", "head"])
-def test_parameter_groups_of_the_paper_config(logit_scale_group):
-    cfg = load_config([REPO_ROOT / "configs" / "macco.yaml"], [
-        "model.name=ViT-Tiny-16-64", "model.pretrained=null", f"optim.logit_scale_group={logit_scale_group}"])
-    assert tuple(cfg.optim.betas) == (0.9, 0.999) and cfg.optim.eps == 1e-8
+def config_module(config: str) -> MaccoCLIP:
+    cfg = load_config([REPO_ROOT / "configs" / config], ["model.name=ViT-Tiny-16-64", "model.pretrained=null"])
     torch.manual_seed(0)
-    groups = group_names(MaccoCLIP(cfg))
-    assert set(groups) == {"backbone", "backbone_no_decay", "head", "head_no_decay", "logit_scale"}
-    for name in ("backbone", "backbone_no_decay"):
-        settings, names = groups[name]
-        assert settings["lr"] == 5e-7 and all(n.startswith("encoders.model.") for n in names)
-    assert groups["backbone"][0]["weight_decay"] == 0.2 and groups["backbone_no_decay"][0]["weight_decay"] == 0.0
-    head, head_names = groups["head"]
-    head_no_decay, head_no_decay_names = groups["head_no_decay"]
-    assert head["lr"] == head_no_decay["lr"] == 1e-3
-    assert head["weight_decay"] == 0.01 and head_no_decay["weight_decay"] == 0.0
-    assert {"text_mask_token", "img_mask_token"} <= head_no_decay_names  # 1-d: no decay
-    assert "text_predictor.head.weight" in head_names and "image_predictor.embed.weight" in head_names
+    return MaccoCLIP(cfg)
+
+
+def test_parameter_groups_of_the_paper_config_are_the_originals():
+    """The original's AdamW: CLIP lr 5e-7 with wd 0.2, 0 for ndim < 2; every predictor tensor and both mask
+    tokens lr 1e-3 with wd 0.01 (biases and LayerNorms too); logit_scale at the head's lr 1e-3 and wd 0.01."""
+    module = config_module("macco.yaml")
+    assert tuple(module.cfg.optim.betas) == (0.9, 0.999) and module.cfg.optim.eps == 1e-8
+    groups = group_names(module)
+    assert set(groups) == {"backbone", "backbone_no_decay", "head", "logit_scale"}
+    settings = {name: (g["lr"], g["weight_decay"], g["warmup_steps"]) for name, (g, _) in groups.items()}
+    assert settings == {"backbone": (5e-7, 0.2, 50), "backbone_no_decay": (5e-7, 0.0, 50), "head": (1e-3, 0.01, 50),
+                        "logit_scale": (1e-3, 0.01, 50)}
+    params = dict(module.named_parameters())
+    clip = {n for n in params if n.startswith("encoders.model.") and n != "encoders.model.logit_scale"}
+    assert groups["backbone"][1] == {n for n in clip if params[n].ndim >= 2}
+    assert groups["backbone_no_decay"][1] == {n for n in clip if params[n].ndim < 2}
+    head = set(params) - clip - {"encoders.model.logit_scale"}
+    assert groups["head"][1] == head
+    assert {"text_mask_token", "img_mask_token", "image_predictor.ln_post.weight", "image_predictor.head.bias",
+            "text_predictor.ln.bias"} <= head
     assert all(n.startswith(("text_predictor.", "image_predictor.", "text_mask_token", "img_mask_token"))
-               for n in head_names | head_no_decay_names)
-    settings, names = groups["logit_scale"]
-    assert names == {"encoders.model.logit_scale"} and settings["weight_decay"] == 0.0
-    assert settings["lr"] == (5e-7 if logit_scale_group == "backbone" else 1e-3)
+               for n in head)
+    assert groups["logit_scale"][1] == {"encoders.model.logit_scale"}
+
+
+def test_parameter_groups_of_our_recipe():
+    """[ours] no decay on 1-d head tensors, logit_scale with the CLIP weights (lr 5e-7, no decay)."""
+    groups = group_names(config_module("macco_ours.yaml"))
+    assert set(groups) == {"backbone", "backbone_no_decay", "head", "head_no_decay", "logit_scale"}
+    assert (groups["head"][0]["weight_decay"], groups["head_no_decay"][0]["weight_decay"]) == (0.01, 0.0)
+    assert {"text_mask_token", "img_mask_token", "image_predictor.ln_post.bias"} <= groups["head_no_decay"][1]
+    assert "text_predictor.head.weight" in groups["head"][1]
+    logit_scale, names = groups["logit_scale"]
+    assert names == {"encoders.model.logit_scale"}
+    assert (logit_scale["lr"], logit_scale["weight_decay"]) == (5e-7, 0.0)
+
+
+def leaves(node, prefix: str = "") -> dict:
+    """Dotted key -> value of every leaf of a nested dict (a config as a container)."""
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    return {k: v for key, child in node.items() for k, v in leaves(child, f"{prefix}{key}.").items()}
 
 
 def test_configs_hold_the_recipe():
@@ -404,9 +445,23 @@ def test_configs_hold_the_recipe():
     assert (paper.trainer.max_epochs, paper.data.batch_size, paper.optim.warmup_steps) == (5, 256, 50)
     assert paper.trainer.precision == "bf16-mixed" and paper.trainer.strategy == "ddp"
     assert paper.checkpoint.monitor == "val/mca_loss"
+    # the official code: no key padding mask, decay on every head tensor, logit_scale in the head group
+    assert not paper.method.key_padding_mask
+    assert paper.optim.head_decay_1d and paper.optim.logit_scale_group == "head"
+    assert paper.data.comp_mask_rule == "every_occurrence"  # ours, documented; first_bpe_match is the original's
     demo = load_config([REPO_ROOT / "configs" / "demo" / "macco.yaml"])
     assert demo.model.pretrained == "runs/demo_pretrain/export" and demo.trainer.max_steps == 300
     assert demo.method.name == "macco" and demo.data.masks
+
+
+def test_our_recipe_differs_from_the_paper_config_only_in_our_options():
+    paper, ours = (leaves(OmegaConf.to_container(load_config([REPO_ROOT / "configs" / name])))
+                   for name in ("macco.yaml", "macco_ours.yaml"))
+    differences = {key: (paper[key], ours[key]) for key in paper if paper[key] != ours[key]}
+    assert differences == {"experiment": ("macco_coco", "macco_ours_coco"),
+                           "method.key_padding_mask": (False, True),
+                           "optim.logit_scale_group": ("head", "backbone"),
+                           "optim.head_decay_1d": (True, False)}
 
 
 # ----- a fit on the shapes world and its export ----------------------------------------------------------
@@ -443,56 +498,72 @@ def test_smoke_fit_with_masks_logs_the_report_and_exports_plain_open_clip(shapes
                             1e-6)
 
 
-# ----- 2-process gloo parity of L_mca ----------------------------------------------------------------------
+# ----- 2-process gloo parity of all four terms -------------------------------------------------------------
 WORLD, LOCAL_BATCH = 2, 3
+DDP_CAPTIONS = CAPTIONS + ["a blue car parked next to a tree", "two cats on a sofa"]
+# Ranks with different numbers of valid samples: text masks 1 of 3 on rank 0, 3 of 3 on rank 1; patch masks
+# 3 of 3 on rank 0, none on rank 1 (its local L_mim would be an empty mean).
+DDP_TEXT_MASKED = [[2, 6], [], [], [2, 3], [3, 4, 5], [1, 3]]
+DDP_PATCHES_MASKED = [[0, 1, 4], [10], list(range(8, 16)), [], [], []]
+# Every parameter but the two 49408-row tables (token embedding, vocabulary head), whose gradients are large.
+DDP_MAX_NUMEL = 1_000_000
 
 
-class Towers(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.image, self.text = torch.nn.Linear(6, 5), torch.nn.Linear(4, 5)
-        self.logit_scale = torch.nn.Parameter(torch.tensor(math.log(10.0)))
-
-    def forward(self, x_image, x_masked_image, x_text, x_masked_text):
-        n = lambda x: F.normalize(x, dim=-1)  # noqa: E731
-        return masked_contrastive_loss(n(self.image(x_image)), n(self.image(x_masked_image)), n(self.text(x_text)),
-                                       n(self.text(x_masked_text)), self.logit_scale.exp())
+def ddp_batch(module: MaccoCLIP) -> dict:
+    ids = module.tokenizer(DDP_CAPTIONS)
+    comp = torch.zeros_like(ids, dtype=torch.bool)
+    patch = torch.zeros(len(DDP_CAPTIONS), GRID * GRID, dtype=torch.bool)
+    for row, (tokens, patches) in enumerate(zip(DDP_TEXT_MASKED, DDP_PATCHES_MASKED)):
+        comp[row, tokens] = True
+        patch[row, patches] = True
+    images = torch.randn(len(DDP_CAPTIONS), 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    return {"image": images, "text": ids, "comp_mask": comp, "patch_mask": patch}
 
 
-def mca_loss_and_grads(rank_slice):
-    g = torch.Generator().manual_seed(7)
-    n = WORLD * LOCAL_BATCH
-    inputs = [torch.randn(n, 6, generator=g), torch.randn(n, 6, generator=g), torch.randn(n, 4, generator=g),
-              torch.randn(n, 4, generator=g)]
+def macco_terms_and_grads(rank_slice):
+    """The four unweighted terms and each one's parameter gradients, on a slice of the global batch (all of it
+    when None), with the paper's settings (no key padding mask)."""
+    module = make_module("method.key_padding_mask=false")
+    batch = ddp_batch(module)
     if rank_slice is not None:
-        inputs = [x[rank_slice] for x in inputs]
-    model = Towers()
-    loss = model(*inputs)
-    loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+        batch = {key: value[rank_slice] for key, value in batch.items()}
+    raw = module.raw_losses(module.macco_forward(batch), batch["image"])
+    params = {n: p for n, p in module.named_parameters() if p.numel() < DDP_MAX_NUMEL}
+    grads = {}
+    for term, value in raw.items():  # the same order on every rank: each backward all-reduces
+        found = torch.autograd.grad(value, list(params.values()), retain_graph=True, allow_unused=True)
+        grads[term] = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), found)}
+    return {term: value.detach() for term, value in raw.items()}, grads
 
 
-def _mca_worker(rank, init_file, out_dir):
+def _macco_worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        loss, grads = mca_loss_and_grads(slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH))
-        dist.all_reduce(loss)
-        for grad in grads.values():  # DDP: mean over ranks
-            dist.all_reduce(grad)
-            grad /= WORLD
-        torch.save({"loss": loss / WORLD, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+        terms, grads = macco_terms_and_grads(slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH))
+        # sync_dist logging and DDP: means over ranks
+        for value in [*terms.values(), *(g for per_term in grads.values() for g in per_term.values())]:
+            dist.all_reduce(value)
+            value /= WORLD
+        torch.save({"terms": terms, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # ~45 s on 2 busy cores: the spawned ranks import this test module
-def test_mca_on_two_gloo_processes_equals_the_global_batch(tmp_path):
-    mp.start_processes(_mca_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    expected_loss, expected_grads = mca_loss_and_grads(None)
+def test_all_four_terms_on_two_gloo_processes_equal_the_global_batch(tmp_path):
+    """L_mca and L_mir gather features with gradient; L_mlm and L_mim average over the global set of valid
+    samples, so ranks with different numbers of them (one with none) still give the global batch's terms and,
+    after DDP's mean, its gradients."""
+    mp.start_processes(_macco_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn")
+    expected_terms, expected_grads = macco_terms_and_grads(None)
+    assert set(expected_terms) == {"mca", "mir", "mlm", "mim"}
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt")
-        # per-rank slices and all_reduce sums against one big batch: another summation order, ~1e-7 relative
-        assert scaled_close(result["loss"], expected_loss, 1e-5)
-        for name, grad in expected_grads.items():
-            assert scaled_close(result["grads"][name], grad, 1e-5), name
+        for term, value in expected_terms.items():
+            # per-rank slices and all_reduce sums against one big batch: another summation order, ~1e-7 relative
+            assert scaled_close(result["terms"][term], value, 1e-5), term
+            for name, grad in expected_grads[term].items():
+                assert scaled_close(result["grads"][term][name], grad, 1e-5), (term, name)
+    reached = {term: {n for n, g in grads.items() if g.any()} for term, grads in expected_grads.items()}
+    assert {"image_predictor.head.weight", "text_mask_token"} <= reached["mim"] | reached["mlm"]
+    assert "image_predictor.ln_post.weight" in reached["mim"] and "text_predictor.ln.weight" in reached["mlm"]

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from open_clip.tokenizer import SimpleTokenizer
 
-from parsers.token_alignment import align_tokens, caption_masks, spans_to_token_mask, token_char_spans
+from parsers.token_alignment import (align_tokens, caption_masks, first_bpe_match_mask, spans_to_token_mask,
+                                     token_char_spans)
 
 CONTEXT = 77
 KEPT = CONTEXT - 2  # BPE tokens that survive truncation (SOT first, EOT last)
@@ -284,3 +285,18 @@ def _words(caption: str) -> List[Tuple[int, int, str]]:
         words.append((start, start + len(word), word))
         start += len(word)
     return words
+
+
+# ----- MACCO's original word -> token rule --------------------------------------------------------------------
+def test_first_bpe_match_rule_on_hand_cases():
+    """Each word BPE-encoded alone, "the" skipped, the first contiguous id match masked (case-insensitive)."""
+    caption = "The dog on a multicolored mat on the floor"  # SOT the dog on a multic olo red mat on the floor EOT
+    assert TOKENIZER.encode("multicolored")[-1] == TOKENIZER.encode("red")[0]
+    rule = lambda *words: flagged(first_bpe_match_mask(caption, list(words), TOKENIZER, CONTEXT))  # noqa: E731
+    assert rule("on") == rule("on", "on") == [3]  # the first "on" only, however often listed
+    assert rule("red") == [7]  # a sub-token of "multicolored"
+    assert rule("The", "the", "THE") == []  # always skipped
+    assert rule("on the floor") == [9, 10, 11]  # one sequence, its "the" included
+    assert rule("Dog") == [2] and rule("under") == [] and rule("") == []
+    # ours flags the character spans of every listed occurrence, whole words only
+    assert flagged(caption_masks(caption, [], [(8, 10), (30, 32)], TOKENIZER)[1]) == [3, 9]
