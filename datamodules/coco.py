@@ -293,7 +293,7 @@ class CocoCaptions(Dataset):
         """Box-aware crop of the image, the patch mask of one sampled phrase, and the token masks."""
         boxes = self.masks.draw_phrase_boxes(source, rng, self.geometry)
         pixels, crop = self.transform(image, boxes if boxes is not None else ())
-        token_masks = self.masks.token_masks(source, self.context_length)
+        token_masks = self.masks.sample_token_masks(source, self.context_length)
         patch_mask = self.masks.patch_mask(boxes, crop, rng, self.geometry)
         return {"image": pixels, **{name: torch.from_numpy(mask) for name, mask in token_masks.items()},
                 "patch_mask": torch.from_numpy(patch_mask)}

@@ -75,11 +75,15 @@ class CaptionMasks:
             rel[row] = comp[row] & relations  # relation tokens; the other composition tokens are attributes
         return np.packbits(obj, axis=1), np.packbits(comp, axis=1), np.packbits(rel, axis=1)
 
-    def token_masks(self, index: int, context_length: int) -> Dict[str, np.ndarray]:
+    def token_masks(self, index: int, context_length: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(obj_mask, comp_mask), bool [context_length]."""
+        return _unpack(self.obj[index], context_length), _unpack(self.comp[index], context_length)
+
+    def sample_token_masks(self, index: int, context_length: int) -> Dict[str, np.ndarray]:
         """obj_mask, comp_mask and comp_mask's split into attr_mask / rel_mask (bool [context_length])."""
-        unpack = lambda bits: np.unpackbits(bits, count=context_length).astype(bool)  # noqa: E731
-        comp, rel = unpack(self.comp[index]), unpack(self.rel[index])
-        return {"obj_mask": unpack(self.obj[index]), "comp_mask": comp, "attr_mask": comp & ~rel, "rel_mask": rel}
+        obj, comp = self.token_masks(index, context_length)
+        rel = _unpack(self.rel[index], context_length)
+        return {"obj_mask": obj, "comp_mask": comp, "attr_mask": comp & ~rel, "rel_mask": rel}
 
     def phrase_boxes(self, index: int, phrase: int) -> np.ndarray:
         """Boxes [K, 4] (original pixels, xyxy) of the caption's `phrase`-th phrase."""
@@ -101,6 +105,10 @@ class CaptionMasks:
         if boxes is None:
             return random_rectangle_mask(rng, geometry.grid_size)
         return boxes_to_patch_mask(boxes, crop, geometry.image_size, geometry.grid_size, geometry.min_overlap)
+
+
+def _unpack(bits: np.ndarray, context_length: int) -> np.ndarray:
+    return np.unpackbits(bits, count=context_length).astype(bool)
 
 
 def _flatten_phrase_boxes(records: Iterable[dict]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -112,7 +112,7 @@ def cache_records(captions: List[str]) -> List[dict]:
 def token_masks(captions: List[str], tokenizer) -> Dict[str, torch.Tensor]:
     """obj_mask, comp_mask, attr_mask, rel_mask from the real scene-graph parser (as the DataModule gives them)."""
     masks = CaptionMasks(cache_records(captions), tokenizer, tokenizer.context_length)
-    rows = [masks.token_masks(index, tokenizer.context_length) for index in range(len(captions))]
+    rows = [masks.sample_token_masks(index, tokenizer.context_length) for index in range(len(captions))]
     return {name: torch.from_numpy(np.stack([row[name] for row in rows])) for name in rows[0]}
 
 

@@ -97,10 +97,11 @@ def test_a_kind_with_fewer_than_two_words_is_refused():
         vocabulary({"ant": 5})
 
 
-def test_caption_masks_split_composition_into_attributes_and_relations(records):
-    masks = CaptionMasks(records, TOKENIZER, 77)
+@pytest.mark.parametrize("rule", ["every_occurrence", "first_bpe_match"])
+def test_caption_masks_split_composition_into_attributes_and_relations(records, rule):
+    masks = CaptionMasks(records, TOKENIZER, 77, rule)
     for index, record in enumerate(records):
-        token = masks.token_masks(index, 77)
+        token = masks.sample_token_masks(index, 77)
         assert np.array_equal(token["attr_mask"] | token["rel_mask"], token["comp_mask"])
         assert not (token["attr_mask"] & token["rel_mask"]).any()
         ids = TOKENIZER([record["caption"]])[0].numpy()
