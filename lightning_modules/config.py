@@ -89,6 +89,9 @@ class MethodConfig:
     sparsity_weight: float = 2.0
     modular_temperature: float = 100.0
     hard_mask: bool = True
+    # Positions the mask network attends to and pools over: "all" context positions, padding after EOS
+    # included (the official code), or the "caption" positions SOT..EOS only [ours].
+    mask_positions: str = "all"
     # TFLocal / TFGlobal aligners on a frozen backbone: width, depth, heads; loss "infonce" (+ hard negatives)
     # or "itm" (binary); retrieval re-ranks the frozen-CLIP top-k.
     aligner_width: int = 512
@@ -293,6 +296,7 @@ _CHOICES = {
     "method.attribution.head_reduce": ("mean", "max"),
     "method.attribution.heads": ("multi", "single"),
     "method.aligner_loss": ("infonce", "itm"),
+    "method.mask_positions": ("all", "caption"),
     "model.stretch_dtype": ("float16", "float32"),
     "data.train_caption_sentences": ("all", "random_prefix"),
 }
