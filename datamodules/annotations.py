@@ -1,4 +1,5 @@
-"""Caption annotation files -> `CaptionRecord`s: COCO captions JSON, Karpathy `dataset_coco.json`, NegCLIP TSV.
+"""Caption annotation files -> `CaptionRecord`s: COCO captions JSON, Karpathy `dataset_coco.json`, NegCLIP TSV,
+ShareGPT4V JSON (long captions, as SmartCLIP and Long-CLIP train).
 
 Shared by the DataModule and the offline preprocessing job, so both see the same records in the same order.
 """
@@ -15,6 +16,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 NEGCLIP_COLUMNS = ("title", "filepath", "neg_caption")
 # Karpathy's split: train on train + restval (113,287 images), validate on val, test on test.
 KARPATHY_TRAIN_SPLITS = ("train", "restval")
+# SmartCLIP and Long-CLIP validate on a ShareGPT4V file's first 1000 records and train on the rest.
+SHAREGPT4V_VAL_RECORDS = 1000
 
 
 @dataclass(frozen=True)
@@ -37,12 +40,16 @@ class CaptionRecord:
 
 
 # ----- reading annotation files -------------------------------------------------------------------------
-def read_annotation_file(path: str, karpathy_splits: Sequence[str] = KARPATHY_TRAIN_SPLITS) -> List[CaptionRecord]:
-    """Caption records from a COCO captions JSON, a Karpathy `dataset_coco.json`, or a NegCLIP `.tsv`.
+def read_annotation_file(path: str, karpathy_splits: Sequence[str] = KARPATHY_TRAIN_SPLITS,
+                         caption_field: str = "caption") -> List[CaptionRecord]:
+    """Caption records from a COCO captions JSON, a Karpathy `dataset_coco.json`, a NegCLIP `.tsv` or a
+    ShareGPT4V JSON.
 
     Args:
         path: the annotation file.
-        karpathy_splits: for a Karpathy file, the `split` values to keep (e.g. train + restval).
+        karpathy_splits: for a Karpathy file, the `split` values to keep (e.g. train + restval); for a
+            ShareGPT4V file "val" (its first 1000 records) and / or "train" (the rest).
+        caption_field: the annotation key of the caption in a COCO captions JSON (e.g. a long-caption key).
 
     Raises:
         FileNotFoundError: `path` does not exist.
@@ -50,12 +57,16 @@ def read_annotation_file(path: str, karpathy_splits: Sequence[str] = KARPATHY_TR
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"annotation file not found: {path}")
+    document = None if path.endswith(".tsv") else _load_json(path)
+    if caption_field != "caption" and not _is_coco(document):
+        raise ValueError(f"{path}: data.caption_field={caption_field!r} applies to COCO captions JSON files only")
     if path.endswith(".tsv"):
         return read_negclip_tsv(path)
-    document = _load_json(path)
+    if _is_sharegpt4v(document):
+        return sharegpt4v_records(path, document, karpathy_splits)
     if _is_karpathy(document):
         return karpathy_records(path, document, karpathy_splits)
-    return coco_records(path, document)
+    return coco_records(path, document, caption_field)
 
 
 def read_coco_json(path: str) -> List[CaptionRecord]:
@@ -63,12 +74,16 @@ def read_coco_json(path: str) -> List[CaptionRecord]:
     return coco_records(path, _load_json(path))
 
 
-def coco_records(path: str, document: Dict[str, Any]) -> List[CaptionRecord]:
-    if not isinstance(document, dict) or not {"images", "annotations"} <= document.keys():
+def _is_coco(document: Any) -> bool:
+    return isinstance(document, dict) and {"images", "annotations"} <= document.keys()
+
+
+def coco_records(path: str, document: Dict[str, Any], caption_field: str = "caption") -> List[CaptionRecord]:
+    if not _is_coco(document):
         raise ValueError(f"annotation file {path} is not a COCO captions file: it needs 'images' and "
                          f"'annotations' at the top level (or 'images' with 'sentences', Karpathy's format)")
     file_names = {image["id"]: image["file_name"] for image in document["images"]}
-    return [_coco_record(path, annotation, file_names) for annotation in document["annotations"]]
+    return [_coco_record(path, annotation, file_names, caption_field) for annotation in document["annotations"]]
 
 
 def _is_karpathy(document: Any) -> bool:
@@ -99,14 +114,51 @@ def _load_json(path: str) -> Any:
         raise ValueError(f"annotation file {path} is not valid JSON: {err}") from err
 
 
-def _coco_record(path: str, annotation: Dict[str, Any], file_names: Dict[int, str]) -> CaptionRecord:
+def _coco_record(path: str, annotation: Dict[str, Any], file_names: Dict[int, str],
+                 caption_field: str = "caption") -> CaptionRecord:
     image_id = annotation["image_id"]
     if image_id not in file_names:
         raise ValueError(f"{path}: annotation {annotation['id']} refers to image {image_id}, which is not "
                          f"listed in 'images'")
+    if not isinstance(annotation.get(caption_field), str):
+        raise ValueError(f"{path}: annotation {annotation['id']} has no caption text under "
+                         f"data.caption_field={caption_field!r}")
     return CaptionRecord(caption_id=int(annotation["id"]), image_id=int(image_id),
-                         file_name=file_names[image_id], caption=annotation["caption"].strip(),
+                         file_name=file_names[image_id], caption=annotation[caption_field].strip(),
                          neg_captions=_stripped(annotation.get("neg_captions", ())))
+
+
+def _is_sharegpt4v(document: Any) -> bool:
+    return (isinstance(document, list) and bool(document) and isinstance(document[0], dict)
+            and {"image", "conversations"} <= document[0].keys())
+
+
+def sharegpt4v_records(path: str, document: List[Dict[str, Any]], splits: Sequence[str]) -> List[CaptionRecord]:
+    """Records of a ShareGPT4V JSON (`share-captioner_coco_lcs_sam_1246k_1107.json`): one per entry.
+
+    As SmartCLIP and Long-CLIP read it: the caption is the answer, `conversations[1]["value"]`, with newlines
+    as spaces; the first 1000 entries are split "val", the others "train". The caption id is the entry's
+    index; the image id is the COCO id for images under a `coco/` folder, else -(index + 1), which no COCO
+    image has (so that COCO leakage checks see only real COCO images).
+    """
+    known = {"val", "train"}
+    if not set(splits) & known:
+        raise ValueError(f"{path}: none of the splits {list(splits)} occurs; a ShareGPT4V file has 'val' (its "
+                         f"first {SHAREGPT4V_VAL_RECORDS} records) and 'train'")
+    return [_sharegpt4v_record(path, index, entry) for index, entry in enumerate(document)
+            if ("val" if index < SHAREGPT4V_VAL_RECORDS else "train") in splits]
+
+
+def _sharegpt4v_record(path: str, index: int, entry: Dict[str, Any]) -> CaptionRecord:
+    try:
+        caption = entry["conversations"][1]["value"]
+    except (KeyError, IndexError, TypeError) as err:
+        raise ValueError(f"{path}: entry {index} has no answer in conversations[1]['value']") from err
+    file_name = entry["image"]
+    is_coco = "coco" in file_name.replace("\\", "/").lower().split("/")[:-1]
+    image_id = image_id_from_file_name(file_name) if is_coco else -(index + 1)
+    return CaptionRecord(caption_id=index, image_id=image_id, file_name=file_name,
+                         caption=caption.replace("\n", " ").strip())
 
 
 def read_negclip_tsv(path: str) -> List[CaptionRecord]:

@@ -5,6 +5,8 @@ a `neg_captions` list) and, when the path ends in `.tsv`, the NegCLIP training T
 `neg_caption`). Bad input never becomes silent wrong numbers: missing images, empty captions and unreadable
 images either raise, naming the file, or (with `on_bad_image="skip"`) are dropped or substituted, counted and
 logged. Captions longer than the context length are truncated by the tokenizer, counted and flagged per sample.
+With `caption_sentences="random_prefix"` (SmartCLIP's long-caption training) each access reads the caption's
+first k sentences, k drawn at random, and tokenises them then.
 
 Captions are tokenised once, at construction, into numpy arrays: forked DataLoader workers share numpy
 buffers copy-on-write, whereas a list of Python objects is copied page by page as reference counts change.
@@ -39,6 +41,9 @@ MAX_SUBSTITUTE_TRIES = 10
 NAMES_IN_WARNING = 5
 # Captions per tokenizer call: bounds the transient int64 tensor, not the result.
 TOKENIZE_CHUNK = 8192
+# SmartCLIP's sentence boundary: its training splits a ShareGPT4V caption at ". " and joins a prefix back.
+SENTENCE_SEPARATOR = ". "
+CAPTION_SENTENCES = ("all", "random_prefix")
 # How PIL reports a broken file: OSError (truncated data, unidentified format), SyntaxError (broken PNG
 # chunks), ValueError (impossible header values), DecompressionBombError (absurd sizes).
 IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
@@ -81,6 +86,28 @@ def find_truncated(tokenizer: CaptionTokenizer, captions: Sequence[str], tokens:
     return truncated
 
 
+def random_sentence_prefix(caption: str, rng: np.random.Generator) -> str:
+    """SmartCLIP's training caption: the first k sentences (split at ". "), k uniform in 1..n, joined back."""
+    sentences = caption.split(SENTENCE_SEPARATOR)
+    return SENTENCE_SEPARATOR.join(sentences[: int(rng.integers(1, len(sentences) + 1))])
+
+
+class PackedTexts:
+    """Strings in one numpy byte buffer with end offsets: forked workers share it (see the module doc)."""
+
+    def __init__(self, texts: Sequence[str]):
+        encoded = [text.encode("utf-8") for text in texts]
+        self._bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        self._ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, index: int) -> str:
+        start = int(self._ends[index - 1]) if index > 0 else 0
+        return self._bytes[start:int(self._ends[index])].tobytes().decode("utf-8")
+
+
 def cycled_negative_rows(counts: np.ndarray, num_negatives: int) -> np.ndarray:
     """int64 [N, K] rows into the flat list of every sample's negatives, each sample cycling its own.
 
@@ -115,6 +142,9 @@ class CocoCaptions(Dataset):
         max_samples: keep only the first N annotations of the file (before dropping any).
         comp_mask_rule: with `mask_records`, how composition words become `comp_mask` tokens
             (`datamodules.masks`: "every_occurrence" [ours] or "first_bpe_match", MACCO's original).
+        caption_field: the annotation key of the caption in a COCO captions JSON (e.g. long captions).
+        caption_sentences: "all", or "random_prefix": each access reads the caption's first k sentences, k
+            uniform in 1..n (SmartCLIP's long-caption training), seeded by the sampler's augmentation seed.
 
     Attributes:
         num_images: distinct images among the kept samples.
@@ -129,8 +159,10 @@ class CocoCaptions(Dataset):
                  on_bad_image: str = "error", max_samples: Optional[int] = None,
                  karpathy_splits: Sequence[str] = KARPATHY_TRAIN_SPLITS,
                  exclude_image_ids: Optional[Set[int]] = None, mask_records: Optional[Dict[int, dict]] = None,
-                 geometry: Optional[PatchGeometry] = None, comp_mask_rule: str = "every_occurrence"):
+                 geometry: Optional[PatchGeometry] = None, comp_mask_rule: str = "every_occurrence",
+                 caption_field: str = "caption", caption_sentences: str = "all"):
         _check_options(tokenizer, num_hard_negatives, on_bad_image, max_samples)
+        _check_caption_sentences(caption_sentences, mask_records)
         self.annotations = os.fspath(annotations)
         self.image_dir = os.fspath(image_dir)
         self.transform = transform
@@ -138,12 +170,15 @@ class CocoCaptions(Dataset):
         self.on_bad_image = on_bad_image
         self.geometry = geometry
         self.comp_mask_rule = comp_mask_rule
-        records = read_annotation_file(self.annotations, karpathy_splits)[:max_samples]
+        records = read_annotation_file(self.annotations, karpathy_splits, caption_field)[:max_samples]
         records = self._drop_excluded_images(records, exclude_image_ids or set())
         records = self._drop_empty_captions(records)
         records = self._resolve_images(records)
         self._store_ids(records)
-        self._tokenize(tokenizer, records)
+        if caption_sentences == "random_prefix":
+            self._keep_texts(tokenizer, records)
+        else:
+            self._tokenize(tokenizer, records)
         if num_hard_negatives > 0:
             self._tokenize_negatives(tokenizer, records)
         self.masks = self._build_masks(records, mask_records, tokenizer) if mask_records is not None else None
@@ -162,10 +197,9 @@ class CocoCaptions(Dataset):
             else:
                 sample = self._image_and_masks(source, pil_image, np.random.default_rng(augmentation_seed))
         sample.update({
-            "text": torch.from_numpy(self._tokens[source].astype(np.int64)),
+            **self._caption(source, augmentation_seed),
             "image_id": int(self._image_ids[source]),
             "caption_id": int(self._caption_ids[source]),
-            "truncated": bool(self._truncated[source]),
             "bad_image": source != index,
         })
         if self.num_hard_negatives > 0:
@@ -178,9 +212,10 @@ class CocoCaptions(Dataset):
 
     def summary(self) -> str:
         """One line: samples, images, missing images, truncated and empty captions, and the source file."""
+        truncated = ("truncation counted per drawn caption" if self._texts is not None
+                     else f"{self.num_truncated_captions} truncated captions")
         return (f"{len(self)} samples, {self.num_images} images, {self.num_excluded_images} excluded images, "
-                f"{self.num_missing_images} missing images, "
-                f"{self.num_truncated_captions} truncated captions, {self.num_empty_captions} empty "
+                f"{self.num_missing_images} missing images, {truncated}, {self.num_empty_captions} empty "
                 f"captions ({self.annotations})")
 
     # ----- construction ---------------------------------------------------------------------------------
@@ -245,7 +280,14 @@ class CocoCaptions(Dataset):
         self._image_ids = np.array([record.image_id for record in records], dtype=np.int64)
         self._caption_ids = np.array([record.caption_id for record in records], dtype=np.int64)
 
+    def _keep_texts(self, tokenizer: CaptionTokenizer, records: List[CaptionRecord]) -> None:
+        """Random sentence prefixes: keep the caption texts, tokenised at each access."""
+        self._texts, self._tokenizer = PackedTexts([record.caption for record in records]), tokenizer
+        self.context_length = tokenize_captions(tokenizer, []).shape[1]
+        self.num_truncated_captions = 0  # counted per access (the sample's `truncated`)
+
     def _tokenize(self, tokenizer: CaptionTokenizer, records: List[CaptionRecord]) -> None:
+        self._texts = None
         captions = [record.caption for record in records]
         self._tokens = tokenize_captions(tokenizer, captions)
         self.context_length = self._tokens.shape[1]
@@ -266,6 +308,18 @@ class CocoCaptions(Dataset):
         self._neg_tokens = tokenize_captions(tokenizer, [c for negatives in chosen for c in negatives])
 
     # ----- loading --------------------------------------------------------------------------------------
+    def _caption(self, source: int, augmentation_seed: Optional[int]) -> Dict[str, Any]:
+        """`text` [L] and `truncated` of sample `source`: stored, or a random sentence prefix tokenised now."""
+        if self._texts is None:
+            return {"text": torch.from_numpy(self._tokens[source].astype(np.int64)),
+                    "truncated": bool(self._truncated[source])}
+        # Its own stream of the sample's seed: independent of the image crop's draws.
+        rng = np.random.default_rng(None if augmentation_seed is None else [augmentation_seed, 1])
+        caption = random_sentence_prefix(self._texts[source], rng)
+        tokens = tokenize_captions(self._tokenizer, [caption])
+        return {"text": torch.from_numpy(tokens[0].astype(np.int64)),
+                "truncated": bool(find_truncated(self._tokenizer, [caption], tokens)[0])}
+
     def _image_or_substitute(self, index: int) -> Tuple[int, Image.Image]:
         """(the sample index actually used, its image): `index` itself unless its image is unreadable."""
         if self.on_bad_image == "error":
@@ -303,6 +357,14 @@ class CocoCaptions(Dataset):
         if path not in self._reported_bad_files:
             self._reported_bad_files.add(path)
             logger.warning("%s; its samples are replaced by the next readable ones (bad_image=True)", err)
+
+
+def _check_caption_sentences(caption_sentences: str, mask_records: Optional[Dict[int, dict]]) -> None:
+    if caption_sentences not in CAPTION_SENTENCES:
+        raise ValueError(f"caption_sentences={caption_sentences!r} is not one of {', '.join(CAPTION_SENTENCES)}")
+    if caption_sentences != "all" and mask_records is not None:
+        raise ValueError("data.train_caption_sentences=random_prefix changes the caption at every access, so the "
+                         "cached token masks of whole captions (data.masks=true) do not apply")
 
 
 def _check_options(tokenizer: CaptionTokenizer, num_hard_negatives: int, on_bad_image: str,
@@ -502,6 +564,9 @@ class CocoDataModule(L.LightningDataModule):
             on_bad_image=data.on_bad_image,
             max_samples=getattr(data, f"max_{split}_samples"),
             karpathy_splits=tuple(getattr(data, f"{split}_karpathy_splits")),
+            caption_field=data.caption_field,
+            # Validation reads whole captions (SmartCLIP validates on full ShareGPT4V captions too).
+            caption_sentences=data.train_caption_sentences if split == "train" else "all",
             exclude_image_ids=read_image_ids(data.exclude_image_ids) if split == "train" else None,
             **self._mask_options(split))
         logger.info("%s split: %s", split, dataset.summary())

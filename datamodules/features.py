@@ -120,6 +120,7 @@ class FeatureSplit:
     num_hard_negatives: int
     max_samples: Optional[int]
     exclude_image_ids: Optional[str]
+    caption_field: str = "caption"  # `data.caption_field`: the features must describe the captions trained on
 
     def settings(self, backbone: Dict[str, Any], on_bad_image: str, shard_size: int) -> Dict[str, Any]:
         """Everything that changes this split's cached features (the cache key hashes it)."""
@@ -128,7 +129,8 @@ class FeatureSplit:
                 "annotations_sha256": file_sha256(self.annotations), "karpathy_splits": list(self.karpathy_splits),
                 "num_hard_negatives": self.num_hard_negatives, "max_samples": self.max_samples,
                 "exclude_image_ids_sha256": excluded, "on_bad_image": on_bad_image, "shard_size": shard_size,
-                "token_dtype": str(TOKEN_DTYPE)}
+                "token_dtype": str(TOKEN_DTYPE),
+                **({"caption_field": self.caption_field} if self.caption_field != "caption" else {})}
 
 
 def feature_splits(data) -> List[FeatureSplit]:
@@ -143,7 +145,7 @@ def feature_splits(data) -> List[FeatureSplit]:
         splits.append(FeatureSplit(split, root / annotations, root / data[f"{split}_images"],
                                    tuple(data[f"{split}_karpathy_splits"]),
                                    data.num_hard_negatives if train else 0, data[f"max_{split}_samples"],
-                                   data.exclude_image_ids if train else None))
+                                   data.exclude_image_ids if train else None, data.caption_field))
     return splits
 
 
@@ -226,7 +228,8 @@ def split_records(split: FeatureSplit, on_bad_image: str) -> Tuple[List[CaptionR
     The same selection as `CocoCaptions`: the first `max_samples` annotations, then excluded images, empty
     captions and missing images removed (the last two raise with `on_bad_image="error"`).
     """
-    records = read_annotation_file(str(split.annotations), split.karpathy_splits)[:split.max_samples]
+    records = read_annotation_file(str(split.annotations), split.karpathy_splits,
+                                   split.caption_field)[:split.max_samples]
     excluded = read_image_ids(split.exclude_image_ids)
     records = [r for r in records if r.image_id not in excluded and _has_caption(r, on_bad_image, split)]
     paths = {r.file_name: existing_path(image_path_candidates(str(split.images), r.file_name)) for r in records}

@@ -45,9 +45,11 @@ class SplitSource:
     images: Path
     karpathy_splits: Tuple[str, ...]
     scene_graphs: Optional[Path] = None
+    # The caption key of a COCO-style JSON (`data.caption_field`): the masks must describe the captions trained on.
+    caption_field: str = "caption"
 
     def records(self) -> List[CaptionRecord]:
-        return read_annotation_file(str(self.annotations), self.karpathy_splits)
+        return read_annotation_file(str(self.annotations), self.karpathy_splits, self.caption_field)
 
 
 def split_sources(data, prep) -> List[SplitSource]:
@@ -61,7 +63,7 @@ def split_sources(data, prep) -> List[SplitSource]:
         scene_graphs = prep[f"{split}_scene_graphs"]
         sources.append(SplitSource(split, root / annotations, root / data[f"{split}_images"],
                                    tuple(data[f"{split}_karpathy_splits"]),
-                                   root / scene_graphs if scene_graphs else None))
+                                   root / scene_graphs if scene_graphs else None, data.caption_field))
     return sources
 
 
@@ -114,6 +116,8 @@ def cache_settings(source: SplitSource, parser: SceneGraphParser, grounder) -> d
                 "grounder": grounder.settings()}
     if source.annotations.suffix == ".json":
         settings["karpathy_splits"] = list(source.karpathy_splits)
+    if source.caption_field != "caption":  # keyed only when set, so existing caches stay valid
+        settings["caption_field"] = source.caption_field
     if source.scene_graphs is not None:
         settings["scene_graphs_sha256"] = file_sha256(source.scene_graphs)
     return settings

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from lightning_modules.encoders import CLIPEncoders, build_model
+from lightning_modules.encoders import BuiltModel, CLIPEncoders, build_model
+from lightning_modules.long_context import (STRETCH_DTYPES, restore_kept_positions, stretch_text_context,
+                                            zero_kept_gradients)
 
 Terms = Dict[str, Tensor]
 
@@ -55,12 +57,31 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         super().__init__()
         self.save_hyperparameters({"config": OmegaConf.to_container(cfg, resolve=True)})
         self.cfg = cfg
-        built = build_model(cfg.model.name, cfg.model.pretrained, cfg.model.config_dir)
+        built, kept_positions = self._build_model(cfg.model)
         self.model_name = built.name
+        self.model_config = built.config  # exported beside the weights
         self.tokenizer = built.tokenizer
         self.preprocess_train, self.preprocess_val = built.preprocess_train, built.preprocess_val
         self.encoders = CLIPEncoders(built.model)
+        # Long-CLIP's frozen leading text positions (None unless the context was stretched), see long_context.py.
+        self.register_buffer("kept_text_positions", kept_positions)
         self._lr_logged_step = -1  # the optimizer step whose learning rates were logged last
+
+    @staticmethod
+    def _build_model(model: DictConfig) -> Tuple[BuiltModel, Optional[Tensor]]:
+        """The open_clip model, with its text context stretched when `model.context_length` is longer.
+
+        Returns the built model and the values of its frozen leading positions (None without a stretch).
+        """
+        built = build_model(model.name, model.pretrained, model.config_dir)
+        if not model.context_length or model.context_length == built.model.context_length:
+            return built, None
+        if model.context_length < built.model.context_length:
+            raise ValueError(f"model.context_length={model.context_length} is shorter than {built.name}'s own "
+                             f"{built.model.context_length}; the stretch only lengthens the text context")
+        built = stretch_text_context(built, model.context_length, model.keep_positions,
+                                     STRETCH_DTYPES[model.stretch_dtype])
+        return built, built.model.positional_embedding.detach()[: model.keep_positions].clone()
 
     @property
     def clip(self) -> nn.Module:
@@ -156,9 +177,16 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         min_ratio = self.cfg.optim.min_lr_ratio
         return lambda step: warmup_cosine(step, warmup_steps, total_steps, min_ratio)
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Frozen leading text positions of a stretched context get no update (before clipping, too)."""
+        if self.kept_text_positions is not None:
+            zero_kept_gradients(self.clip.positional_embedding, self.kept_text_positions.shape[0])
+
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
         self._clamp_logit_scale()
+        if self.kept_text_positions is not None:
+            restore_kept_positions(self.clip.positional_embedding, self.kept_text_positions)
 
     def _clamp_logit_scale(self) -> None:
         """CLIP's temperature cap: exp(logit_scale) <= max_logit_scale after every step."""

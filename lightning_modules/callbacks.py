@@ -123,7 +123,8 @@ class ExportCallback(L.Callback):
             return
         extra = {"method": module.cfg.method.name, "global_step": trainer.global_step,
                  "initialised_from": module.cfg.model.pretrained}
-        path = export_model(module.clip, module.model_name, self.export_dir, extra)
+        path = export_model(module.clip, module.model_name, self.export_dir, extra,
+                            getattr(module, "model_config", None))
         log.info("exported %s (step %d) to %s", module.model_name, trainer.global_step, path)
 
 

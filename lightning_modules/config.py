@@ -30,6 +30,17 @@ class ModelConfig:
     pretrained: Optional[str] = None
     # Extra open_clip model-config JSONs (tiny test/demo models) registered before building.
     config_dir: str = "configs/models"
+    # Text context length; null = the model's own (77 for CLIP). Longer: Long-CLIP's positional-embedding
+    # stretch (lightning_modules/long_context.py; SmartCLIP's long-caption recipe uses 248): the first
+    # `keep_positions` positions stay as they are and are frozen, the others are interpolated linearly
+    # (context_length - keep_positions) / (own - keep_positions) times (an integer: 77 -> 248 is 4x). The
+    # tokenizer, data and export follow (the export is named <model>-ctx<N>). A model already this long (such
+    # an export) is used as it is, nothing frozen.
+    context_length: Optional[int] = None
+    keep_positions: int = 20
+    # Arithmetic of the stretch: "float16" as Long-CLIP / SmartCLIP (they stretch the fp16 OpenAI weights in
+    # fp16, so interpolated positions carry fp16 rounding), "float32" [ours: exact up to fp32 rounding].
+    stretch_dtype: str = "float16"
 
 
 @dataclass
@@ -95,6 +106,9 @@ class MethodConfig:
     sparsity_weight: float = 2.0
     modular_temperature: float = 100.0
     hard_mask: bool = True
+    # Positions the mask network attends to and pools over: "all" context positions, padding after EOS
+    # included (the official code), or the "caption" positions SOT..EOS only [ours].
+    mask_positions: str = "all"
     # TFLocal / TFGlobal aligners on a frozen backbone: width, depth, heads; loss "infonce" (+ hard negatives)
     # or "itm" (binary); retrieval re-ranks the frozen-CLIP top-k.
     aligner_width: int = 512
@@ -128,7 +142,13 @@ class DataConfig:
     # Cap the number of (image, caption) pairs per split, for quick runs. null = all.
     max_train_samples: Optional[int] = None
     max_val_samples: Optional[int] = None
-    # Karpathy `dataset_coco.json`: which `split` values each of our splits reads.
+    # The annotation key holding the caption in a COCO-style JSON, e.g. a key with long captions.
+    caption_field: str = "caption"
+    # Training captions: "all" sentences, or SmartCLIP's "random_prefix": the first k sentences (split at
+    # ". "), k drawn uniformly from 1..n at every access (validation always reads the whole caption).
+    train_caption_sentences: str = "all"
+    # Karpathy `dataset_coco.json`: which `split` values each of our splits reads. A ShareGPT4V JSON has
+    # "val" (its first 1000 records, which SmartCLIP and Long-CLIP hold out) and "train" (the rest).
     train_karpathy_splits: List[str] = field(default_factory=lambda: ["train", "restval"])
     val_karpathy_splits: List[str] = field(default_factory=lambda: ["val"])
     # A file of image ids (one per line, or a JSON list) kept out of training (evaluation images).
@@ -302,6 +322,9 @@ _CHOICES = {
     "method.attribution.replacement": ("kind", "token"),
     "method.attr_hinge": ("batch", "caption"),
     "method.aligner_loss": ("infonce", "itm"),
+    "method.mask_positions": ("all", "caption"),
+    "model.stretch_dtype": ("float16", "float32"),
+    "data.train_caption_sentences": ("all", "random_prefix"),
 }
 
 

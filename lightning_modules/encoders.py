@@ -25,6 +25,8 @@ from lightning_modules.config import REPO_ROOT
 log = logging.getLogger(__name__)
 
 QUICKGELU_SUFFIX = "-quickgelu"
+# Folder of an export (beside open_clip.pt) holding the open_clip model config it was built with.
+MODEL_CONFIGS_DIR = "model_configs"
 
 
 @dataclass
@@ -55,6 +57,7 @@ class BuiltModel:
     preprocess_train: Callable
     preprocess_val: Callable
     tokenizer: Callable
+    config: Optional[dict] = None  # the open_clip model config it was built from (written with an export)
 
 
 def resolve_path(path: str) -> Path:
@@ -115,16 +118,27 @@ def _pretrained_argument(pretrained: Optional[str]) -> Optional[str]:
     return pretrained
 
 
+def _export_config_dir(pretrained: Optional[str]) -> Optional[str]:
+    """`model_configs/` of an export that `pretrained` points at (its own model, e.g. a stretched context)."""
+    path = Path(pretrained) if pretrained else None
+    if path is None or not path.exists():
+        return None
+    directory = (path if path.is_dir() else path.parent) / MODEL_CONFIGS_DIR
+    return str(directory) if directory.is_dir() else None
+
+
 def build_model(name: str, pretrained: Optional[str] = None, config_dir: Optional[str] = None) -> BuiltModel:
-    """Build any open_clip model with random weights, a pretrained tag, or a local checkpoint."""
+    """Build any open_clip model with random weights, a pretrained tag, or a local checkpoint or export."""
     register_model_configs(config_dir)
+    register_model_configs(_export_config_dir(pretrained))
     if name not in open_clip.list_models():
         raise ValueError(f"unknown open_clip model {name!r}; see open_clip.list_models() or add a JSON "
                          f"config to model.config_dir")
     name = canonical_model_name(name, pretrained)
     model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
         name, pretrained=_pretrained_argument(pretrained))
-    return BuiltModel(model, name, preprocess_train, preprocess_val, open_clip.get_tokenizer(name))
+    return BuiltModel(model, name, preprocess_train, preprocess_val, open_clip.get_tokenizer(name),
+                      open_clip.get_model_config(name))
 
 
 def _check_supported_block(block: nn.Module) -> None:

@@ -16,15 +16,20 @@ import torch
 from torch import nn
 
 from datamodules.files import atomic_write_bytes, atomic_write_text
-from lightning_modules.encoders import BuiltModel, build_model
+from lightning_modules.encoders import MODEL_CONFIGS_DIR, BuiltModel, build_model
 
 WEIGHTS_FILE = "open_clip.pt"
 METADATA_FILE = "model.json"
-MODEL_CONFIGS_DIR = "model_configs"
 
 
-def export_model(model: nn.Module, model_name: str, export_dir: Path, extra: Optional[dict] = None) -> Path:
-    """Write the CLIP state dict (fp32) and its metadata atomically; return the weights path."""
+def export_model(model: nn.Module, model_name: str, export_dir: Path, extra: Optional[dict] = None,
+                 model_config: Optional[dict] = None) -> Path:
+    """Write the CLIP state dict (fp32) and its metadata atomically; return the weights path.
+
+    `model_config` is the open_clip config the model was built with (default: the registered config of
+    `model_name`); a stretched text context (`lightning_modules.long_context`) exports its own, under its own
+    name, so that plain open_clip builds the model and its tokenizer with the longer context.
+    """
     export_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
              for k, v in model.state_dict().items()}
@@ -32,16 +37,16 @@ def export_model(model: nn.Module, model_name: str, export_dir: Path, extra: Opt
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write_bytes(weights, buffer.getvalue())
-    _write_model_config(model_name, export_dir)
+    _write_model_config(model_name, export_dir, model_config)
     metadata = {"model": model_name, "weights": WEIGHTS_FILE, **(extra or {})}
     atomic_write_text(export_dir / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True))
     return weights
 
 
-def _write_model_config(model_name: str, export_dir: Path) -> None:
+def _write_model_config(model_name: str, export_dir: Path, config: Optional[dict] = None) -> None:
     config_dir = export_dir / MODEL_CONFIGS_DIR
     config_dir.mkdir(exist_ok=True)
-    config = open_clip.get_model_config(model_name)
+    config = config if config is not None else open_clip.get_model_config(model_name)
     atomic_write_text(config_dir / f"{model_name}.json", json.dumps(config, indent=2, sort_keys=True))
 
 

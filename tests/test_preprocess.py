@@ -192,3 +192,20 @@ def test_patch_mask_of_a_sample_is_one_of_its_phrases(shapes_root, tmp_path):
     candidates = [boxes_to_patch_mask(masks.phrase_boxes(0, p), (0, 0, 64, 64), 64, 4)
                   for p in range(masks.num_phrases(0))]
     assert any(np.array_equal(sample["patch_mask"].numpy(), c) for c in candidates)
+
+
+def test_the_configured_caption_field_is_parsed_and_keys_the_cache(shapes_root, tmp_path):
+    # Masks must describe the captions the DataModule trains on: with data.caption_field the cache parses that
+    # field, under its own key (a cache of the "caption" field is never reused for it).
+    document = json.loads((shapes_root / "annotations" / "captions_train.json").read_text())
+    for annotation in document["annotations"]:
+        annotation["long_caption"] = annotation["caption"] + " on a grey background"
+    (shapes_root / "annotations" / "long_train.json").write_text(json.dumps(document))
+    overrides = ["data.train_annotations=annotations/long_train.json", "data.val_annotations=null"]
+    plain = preprocess.run(shapes_config(shapes_root, tmp_path, *overrides))["train"]
+    long = preprocess.run(shapes_config(shapes_root, tmp_path, *overrides, "data.caption_field=long_caption"))["train"]
+    assert plain["settings"] != long["settings"] and long["settings"]["caption_field"] == "long_caption"
+    cfg = shapes_config(shapes_root, tmp_path, *overrides, "data.caption_field=long_caption")
+    records = preprocess.mask_records(cfg.data, cfg.preprocess, "train")
+    assert len(records) == 24
+    assert all(record["caption"].endswith(" on a grey background") for record in records.values())

@@ -1,10 +1,14 @@
-"""SmartCLIP: modular losses against a slow reference, the straight-through mask, the detached mask network,
-optimizer groups, exact parity under 2 real gloo processes, and a smoke fit on the tiny shapes world."""
+"""SmartCLIP: modular losses against a slow reference, the straight-through mask, the mask network (the
+official's all positions and QuickGELU, our caption positions), the detached mask network, the paper configs'
+optimizer, exact parity under 2 real gloo processes, and a smoke fit on the tiny shapes world. Parity with the
+official code on its golden fixture: test_smartclip_parity.py."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import lightning as L
+import open_clip
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +24,8 @@ from lightning_modules.export import load_export
 from lightning_modules.fit import run
 from lightning_modules.modular_losses import (ModularContrastiveLoss, mask_sparsity, masked_logits,
                                               straight_through_mask)
-from lightning_modules.smartclip import MaskNetwork, SmartCLIP, caption_positions, mask_report
+from lightning_modules.smartclip import (MaskNetwork, SmartCLIP, caption_positions, mask_network_heads,
+                                         mask_network_positions, mask_report)
 from tolerance import scaled_close
 
 BATCH, DIM, WORLD = 4, 6, 2
@@ -160,17 +165,24 @@ def test_two_gloo_processes_match_the_big_batch(tmp_path):
 
 
 # ----- the mask network -------------------------------------------------------------------------------------------
-def test_mask_network_ignores_positions_after_eos_and_projects_only_when_widths_differ():
+PADDED_IDS = torch.tensor([[49406, 320, 1929, 49407, 0, 0], [49406, 320, 49407, 0, 0, 0]])
+
+
+def with_changed_padding(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    changed = tokens.clone()
+    changed[~valid] = torch.randn(int((~valid).sum()), tokens.shape[-1]) * 10
+    return changed
+
+
+def test_mask_network_in_caption_mode_ignores_positions_after_eos_and_projects_only_when_widths_differ():
     torch.manual_seed(0)
     net = MaskNetwork(width=32, heads=2, embed_dim=16)
     assert isinstance(net.to_logits, torch.nn.Linear)
     assert isinstance(MaskNetwork(16, 2, 16).to_logits, torch.nn.Identity)
-    ids = torch.tensor([[49406, 320, 1929, 49407, 0, 0], [49406, 320, 49407, 0, 0, 0]])
-    valid = caption_positions(ids)
-    assert valid.sum(dim=1).tolist() == [4, 3]
+    valid = mask_network_positions(PADDED_IDS, "caption")
+    assert torch.equal(valid, caption_positions(PADDED_IDS)) and valid.sum(dim=1).tolist() == [4, 3]
     tokens = torch.randn(2, 6, 32)
-    changed = tokens.clone()
-    changed[~valid] = torch.randn(int((~valid).sum()), 32) * 10
+    changed = with_changed_padding(tokens, valid)
     logits = net(tokens, valid)
     assert logits.shape == (2, 16)
     assert scaled_close(net(changed, valid), logits, 1e-6)  # padded keys get exactly 0 attention
@@ -178,14 +190,51 @@ def test_mask_network_ignores_positions_after_eos_and_projects_only_when_widths_
     assert not scaled_close(net(changed, valid), logits, 1e-3)
 
 
+def test_mask_network_in_the_official_mode_attends_to_and_pools_over_padding_too():
+    torch.manual_seed(0)
+    net = MaskNetwork(width=32, heads=2, embed_dim=32)
+    assert mask_network_positions(PADDED_IDS, "all") is None
+    tokens = torch.randn(2, 6, 32)
+    logits = net(tokens)
+    changed = with_changed_padding(tokens, caption_positions(PADDED_IDS))
+    assert not scaled_close(net(changed), logits, 1e-3)
+    # the reference: one pre-LN block with QuickGELU, no attention mask, softmax pooling over every position
+    block = net.block
+    x = tokens + block.attn(*[block.ln_1(tokens)] * 3, need_weights=False)[0]
+    hidden = block.mlp.c_fc(block.ln_2(x))
+    x = x + block.mlp.c_proj(hidden * torch.sigmoid(1.702 * hidden))
+    weights = (x @ net.pool_score.weight.T).softmax(dim=1)
+    assert scaled_close(logits, (weights * x).sum(dim=1), 1e-5)
+
+
+def test_mask_network_heads_and_initialisation_as_the_original():
+    assert [mask_network_heads(width) for width in (64, 128, 512, 768)] == [1, 2, 8, 12]
+    assert mask_network_heads(32) == 1  # tiny towers: at least one head
+    torch.manual_seed(0)
+    width = 512
+    net = MaskNetwork(width, mask_network_heads(width), width)
+    block = net.block
+    assert isinstance(block.mlp.gelu, open_clip.transformer.QuickGELU)
+    expected_std = {block.attn.in_proj_weight: width ** -0.5, block.attn.out_proj.weight: (2 * width) ** -0.5,
+                    block.mlp.c_fc.weight: (2 * width) ** -0.5, block.mlp.c_proj.weight: (2 * width) ** -0.5,
+                    net.pool_score.weight: width ** -0.5}
+    for weight, std in expected_std.items():
+        sigmas = 4 / (2 * weight.numel()) ** 0.5  # 4 standard errors of a sample std: 12% at 512 draws, < 1% above
+        assert weight.std().item() == pytest.approx(std, rel=sigmas)
+        assert abs(weight.mean().item()) < 2 * sigmas * std
+    assert torch.all(block.attn.in_proj_bias == 0) and torch.all(block.attn.out_proj.bias == 0)
+    assert torch.all(block.ln_1.weight == 1) and torch.all(block.ln_1.bias == 0)
+
+
 def smartclip_config(*overrides: str, files=()):
     return load_config(files, ["model.name=ViT-Tiny-16-64", "method.name=smartclip", *overrides])
 
 
-@pytest.fixture(scope="module")
-def module():
+@pytest.fixture(scope="module", params=["all", "caption"])
+def module(request):
     torch.manual_seed(0)
-    return SmartCLIP(smartclip_config("method.modular_weight=3.0", "method.sparsity_weight=0.5")).train()
+    return SmartCLIP(smartclip_config("method.modular_weight=3.0", "method.sparsity_weight=0.5",
+                                      f"method.mask_positions={request.param}")).train()
 
 
 def hand_made_batch(module: SmartCLIP) -> dict:
@@ -198,12 +247,15 @@ def test_terms_equal_the_reference_on_open_clips_own_forward(module):
     module.zero_grad()
     terms, report = module.compute_terms(batch)
     with torch.no_grad():
-        # reference: open_clip's untrimmed forward, the ln_final output read by a hook (test only)
+        # reference: open_clip's untrimmed forward, the ln_final output read by a hook (test only); the mask network
+        # on every context position [official] or on SOT..EOS [ours]
         captured = []
         handle = module.clip.ln_final.register_forward_hook(lambda _m, _i, out: captured.append(out))
         texts = F.normalize(module.clip.encode_text(batch["text"]), dim=-1)
         handle.remove()
-        logits = module.mask_net(captured[0], caption_positions(batch["text"]))
+        assert captured[0].shape[1] == module.clip.context_length
+        positions = module.cfg.method.mask_positions
+        logits = module.mask_net(captured[0], None if positions == "all" else caption_positions(batch["text"]))
         # the premise of comparing losses: no logit within rounding (~1e-6) of the threshold, where this untrimmed
         # forward's mask could differ from the module's (4e-4 is the smallest |logit|)
         assert logits.abs().min() > 1e-5
@@ -248,18 +300,33 @@ def test_validation_reports_the_unmasked_loss_at_the_fixed_temperature(module):
     assert report["unmasked_itc"].item() == pytest.approx(expected.item(), rel=2e-5)  # logits of size ~100, loss ~6
 
 
-def test_two_learning_rate_groups_of_the_shipped_config():
+@pytest.mark.parametrize("config", ["smartclip.yaml", "smartclip_long.yaml"])
+def test_the_paper_configs_optimizer_is_the_originals(config, monkeypatch):
+    """The official: AdamW(betas (0.9, 0.999), eps 1e-8) on every CLIP parameter at lr 1e-6 with weight decay 0.01
+    (gains, biases and the positional embedding too), 200 warmup steps then cosine to 0; a second AdamW on the
+    mask network at lr 1e-3, wd 0, cosine to 0 without warmup; logit_scale never updated (temperature 100)."""
     torch.manual_seed(0)
-    module = SmartCLIP(smartclip_config("model.pretrained=null", files=[REPO_ROOT / "configs" / "smartclip.yaml"]))
-    groups = {g["name"]: g for g in module.param_groups()}
-    assert set(groups) == {"backbone", "backbone_no_decay", "head", "head_no_decay"}  # no logit_scale group
-    head_ids = {id(p) for g in ("head", "head_no_decay") for p in groups[g]["params"]}
-    assert head_ids == {id(p) for p in module.mask_net.parameters()}
-    for name in ("head", "head_no_decay"):
-        assert (groups[name]["lr"], groups[name]["weight_decay"], groups[name]["warmup_steps"]) == (1e-3, 0.0, 0)
-    assert (groups["backbone"]["lr"], groups["backbone"]["weight_decay"]) == (1e-6, 0.01)
-    assert groups["backbone"]["warmup_steps"] == 200 and groups["backbone_no_decay"]["weight_decay"] == 0.0
-    assert module._schedule(0, 1000)(0) == 1.0 and module._schedule(200, 1000)(0) == pytest.approx(1 / 200)
+    module = SmartCLIP(smartclip_config("model.pretrained=null", files=[REPO_ROOT / "configs" / config]))
+    total_steps = 1000
+    monkeypatch.setattr(SmartCLIP, "trainer", property(lambda self: SimpleNamespace(
+        estimated_stepping_batches=total_steps)))
+    configured = module.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    assert type(optimizer) is torch.optim.AdamW
+    groups = {g["name"]: g for g in optimizer.param_groups}
+    assert set(groups) == {"backbone", "head"}  # no logit_scale group, no exempt gains or biases
+    clip_parameters = [p for n, p in module.clip.named_parameters() if n != "logit_scale"]
+    assert {id(p) for p in groups["backbone"]["params"]} == {id(p) for p in clip_parameters}
+    assert {id(p) for p in groups["head"]["params"]} == {id(p) for p in module.mask_net.parameters()}
+    assert not module.clip.logit_scale.requires_grad and module.modular.temperature == 100.0  # logit_scale unused
+    for group, (lr, decay) in {"backbone": (1e-6, 0.01), "head": (1e-3, 0.0)}.items():
+        settings = (groups[group]["weight_decay"], groups[group]["betas"], groups[group]["eps"])
+        assert settings == (decay, (0.9, 0.999), 1e-8)
+        assert groups[group]["initial_lr"] == lr
+    backbone, head = (scheduler.lr_lambdas[list(groups).index(name)] for name in ("backbone", "head"))
+    assert [backbone(step) for step in (0, 99, 199)] == pytest.approx([1 / 200, 100 / 200, 1.0])
+    assert backbone(200 + (total_steps - 200) // 2) == pytest.approx(0.5) and backbone(total_steps) == 0.0
+    assert head(0) == 1.0 and head(total_steps // 2) == pytest.approx(0.5) and head(total_steps) == 0.0
 
 
 # ----- on the tiny shapes world -----------------------------------------------------------------------------------
