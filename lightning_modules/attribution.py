@@ -31,7 +31,6 @@ from functools import cached_property
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
