@@ -30,6 +30,8 @@ class CaptionRecord:
         file_name: the image path relative to the image folder.
         caption: the caption, stripped of surrounding whitespace.
         neg_captions: hard-negative captions, stripped (possibly none).
+        neg_image_rows: NegCLIP TSV `neg_image`: data-row indices (caption ids) of the same file whose images
+            are this sample's hard-negative images, as written (unchecked; possibly none).
     """
 
     caption_id: int
@@ -37,6 +39,7 @@ class CaptionRecord:
     file_name: str
     caption: str
     neg_captions: Tuple[str, ...] = ()
+    neg_image_rows: Tuple[int, ...] = ()
 
 
 # ----- reading annotation files -------------------------------------------------------------------------
@@ -164,6 +167,8 @@ def _sharegpt4v_record(path: str, index: int, entry: Dict[str, Any]) -> CaptionR
 def read_negclip_tsv(path: str) -> List[CaptionRecord]:
     """Caption records from the NegCLIP training TSV; the caption id is the data-row index.
 
+    The optional `neg_image` column (a list of data-row indices) becomes `neg_image_rows`.
+
     The file is pandas `to_csv(sep="\\t")` output: an unnamed index column first, and quoted fields that
     may hold quotes and newlines, so it is read with the csv module rather than split into lines.
     """
@@ -179,7 +184,8 @@ def _negclip_record(path: str, row_index: int, row: Dict[str, str]) -> CaptionRe
     file_name = row["filepath"]
     return CaptionRecord(caption_id=row_index, image_id=image_id_from_file_name(file_name),
                          file_name=file_name, caption=row["title"].strip(),
-                         neg_captions=_parse_caption_list(path, row_index, row["neg_caption"]))
+                         neg_captions=_parse_caption_list(path, row_index, row["neg_caption"]),
+                         neg_image_rows=_parse_row_list(path, row_index, row.get("neg_image")))
 
 
 def _parse_caption_list(path: str, row_index: int, literal: str) -> Tuple[str, ...]:
@@ -190,6 +196,18 @@ def _parse_caption_list(path: str, row_index: int, literal: str) -> Tuple[str, .
     if not isinstance(captions, (list, tuple)) or not all(isinstance(c, str) for c in captions):
         raise ValueError(f"{path}: row {row_index} has a neg_caption that is not a list of strings")
     return _stripped(captions)
+
+
+def _parse_row_list(path: str, row_index: int, literal: Optional[str]) -> Tuple[int, ...]:
+    if literal is None:  # the file has no neg_image column
+        return ()
+    try:
+        rows = ast.literal_eval(literal)
+    except (ValueError, SyntaxError) as err:
+        raise ValueError(f"{path}: row {row_index} has a neg_image that is not a Python list") from err
+    if not isinstance(rows, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
+        raise ValueError(f"{path}: row {row_index} has a neg_image that is not a list of row indices")
+    return tuple(rows)
 
 
 def image_id_from_file_name(file_name: str) -> int:

@@ -1,8 +1,11 @@
-"""COCO captions: one (image, caption) sample per caption annotation, with optional hard-negative captions.
+"""COCO captions: one (image, caption) sample per caption annotation, with optional NegCLIP hard negatives.
 
-Two annotation formats are read: a COCO captions JSON (COCO 2017 `captions_*.json`; an annotation may carry
-a `neg_captions` list) and, when the path ends in `.tsv`, the NegCLIP training TSV (`title`, `filepath`,
-`neg_caption`). Bad input never becomes silent wrong numbers: missing images, empty captions and unreadable
+Three annotation formats are read: a COCO captions JSON (COCO 2017 `captions_*.json`; an annotation may carry
+a `neg_captions` list), Karpathy's `dataset_coco.json` (the splits named by `karpathy_splits`) and, when the
+path ends in `.tsv`, the NegCLIP training TSV (`title`, `filepath`, `neg_caption`, `neg_image`). Hard negatives
+are drawn at every access as NegCLIP's training code draws them (see datamodules/hard_negatives.py): K
+hard-negative captions of the sample and, with `hard_negative_images`, one `neg_image` neighbour with its own
+caption and hard captions. Bad input never becomes silent wrong numbers: missing images, empty captions and unreadable
 images either raise, naming the file, or (with `on_bad_image="skip"`) are dropped or substituted, counted and
 logged. Captions longer than the context length are truncated by the tokenizer, counted and flagged per sample.
 With `caption_sentences="random_prefix"` (SmartCLIP's long-caption training) each access reads the caption's
@@ -28,6 +31,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from datamodules.annotations import (KARPATHY_TRAIN_SPLITS, CaptionRecord, existing_path, image_path_candidates,
                                      read_annotation_file)
 from datamodules.cache import CacheError
+from datamodules.hard_negatives import (NEIGHBOUR_STREAM, NegativeCaptions, NeighbourCounts, NeighbourTable,
+                                        build_neighbour_table, draw_generator, stream_seed)
 from datamodules.masks import CaptionMasks, PatchGeometry
 from datamodules.transforms import CropResize
 from datamodules.word_vocabulary import WordVocabulary
@@ -62,7 +67,11 @@ class CaptionTokenizer(Protocol):
 
 
 class UnreadableImageError(RuntimeError):
-    """An image file that exists but cannot be decoded."""
+    """An image file that exists but cannot be decoded (`path`)."""
+
+    def __init__(self, message: str, path: Optional[str] = None):
+        super().__init__(message)
+        self.path = path
 
 
 # ----- tokenisation -------------------------------------------------------------------------------------
@@ -111,6 +120,9 @@ class PackedTexts:
 def cycled_negative_rows(counts: np.ndarray, num_negatives: int) -> np.ndarray:
     """int64 [N, K] rows into the flat list of every sample's negatives, each sample cycling its own.
 
+    A fixed choice (the first K, cycled), for the frozen-feature cache (datamodules/features.py), which encodes
+    each sample's negatives once. The COCO dataset draws them at random at every access, as NegCLIP does.
+
     Args:
         counts: int [N], how many negatives sample i contributed to the flat list (all >= 1).
         num_negatives: K, the negatives per sample.
@@ -126,9 +138,13 @@ class CocoCaptions(Dataset):
     A sample is a dict: `image` float [3, H, W] (from `transform`), `text` long [L], `image_id` and
     `caption_id` int, `truncated` bool (the caption was longer than the context length), `bad_image` bool
     (this sample stands in for one whose image could not be read), and with `num_hard_negatives` K > 0
-    `neg_text` long [K, L] (the annotation's first K negatives, cycled when it has fewer). With masks (the
-    preprocessing cache), also bool [L] `obj_mask`, `comp_mask` (attribute and relation tokens), its split into
-    `attr_mask` / `rel_mask`, and `patch_mask` over the patch grid.
+    `neg_text` long [K, L]: K of the annotation's negatives drawn at random at this access (distinct while it
+    has >= K). With `hard_negative_images`, also the sample's `neg_image` neighbour, drawn at random from its
+    list: `neg_image` float [3, H, W], `neg_image_text` long [L] (the neighbour's own caption),
+    `neg_image_id` int, and with K > 0 `neg_image_neg_text` long [K, L] (drawn from the neighbour's own
+    negatives). The draws are a function of the sampler's augmentation seed (`(index, seed)` keys). With masks
+    (the preprocessing cache), also bool [L] `obj_mask`, `comp_mask` (attribute and relation tokens), its split
+    into `attr_mask` / `rel_mask`, and `patch_mask` over the patch grid.
 
     Args:
         annotations: a COCO captions JSON, or a NegCLIP TSV when the path ends in `.tsv`.
@@ -136,6 +152,10 @@ class CocoCaptions(Dataset):
         tokenizer: the model's open_clip tokenizer.
         transform: the model's open_clip image transform (PIL RGB image -> tensor).
         num_hard_negatives: K, negatives per sample (0 = none); every annotation must then have some.
+        hard_negative_images: add each sample's NegCLIP `neg_image` neighbour (needs the NegCLIP TSV). Indices
+            outside the file are bad input (`on_bad_image`); indices of rows the dataset does not hold
+            (excluded images, rows beyond max_samples, dropped rows) are never drawn; samples left without a
+            neighbour are not trained on. All are counted.
         on_bad_image: "error" raises on a missing image, an empty caption or an unreadable image; "skip"
             drops missing images and empty captions at construction and substitutes the next sample for an
             unreadable image, counting and logging each.
@@ -147,16 +167,17 @@ class CocoCaptions(Dataset):
             uniform in 1..n (SmartCLIP's long-caption training), seeded by the sampler's augmentation seed.
 
     Attributes:
-        num_images: distinct images among the kept samples.
+        num_images: distinct images among the kept rows.
         num_missing_images: distinct image files that were not found.
         num_empty_captions: captions that were empty after stripping.
         num_truncated_captions: kept captions longer than the context length.
+        neighbour_counts: with `hard_negative_images`, what became of the `neg_image` indices.
         context_length: L.
     """
 
     def __init__(self, annotations: str | os.PathLike, image_dir: str | os.PathLike,
                  tokenizer: CaptionTokenizer, transform: ImageTransform, *, num_hard_negatives: int = 0,
-                 on_bad_image: str = "error", max_samples: Optional[int] = None,
+                 hard_negative_images: bool = False, on_bad_image: str = "error", max_samples: Optional[int] = None,
                  karpathy_splits: Sequence[str] = KARPATHY_TRAIN_SPLITS,
                  exclude_image_ids: Optional[Set[int]] = None, mask_records: Optional[Dict[int, dict]] = None,
                  geometry: Optional[PatchGeometry] = None, comp_mask_rule: str = "every_occurrence",
@@ -170,8 +191,8 @@ class CocoCaptions(Dataset):
         self.on_bad_image = on_bad_image
         self.geometry = geometry
         self.comp_mask_rule = comp_mask_rule
-        records = read_annotation_file(self.annotations, karpathy_splits, caption_field)[:max_samples]
-        records = self._drop_excluded_images(records, exclude_image_ids or set())
+        file_records = read_annotation_file(self.annotations, karpathy_splits, caption_field)
+        records = self._drop_excluded_images(file_records[:max_samples], exclude_image_ids or set())
         records = self._drop_empty_captions(records)
         records = self._resolve_images(records)
         self._store_ids(records)
@@ -179,44 +200,80 @@ class CocoCaptions(Dataset):
             self._keep_texts(tokenizer, records)
         else:
             self._tokenize(tokenizer, records)
-        if num_hard_negatives > 0:
-            self._tokenize_negatives(tokenizer, records)
+        self._negatives = (NegativeCaptions.from_records(records, lambda c: tokenize_captions(tokenizer, c),
+                                                         num_hard_negatives, self.annotations)
+                           if num_hard_negatives > 0 else None)
+        self._neighbours: Optional[NeighbourTable] = None
+        self.neighbour_counts: Optional[NeighbourCounts] = None
+        if hard_negative_images:
+            self._neighbours, self.neighbour_counts = build_neighbour_table(records, len(file_records),
+                                                                            on_bad_image, self.annotations)
+        # The rows trained on (None: every row); rows without a neighbour stay available as neighbours.
+        self._anchor_rows = self._neighbours.anchor_rows if self._neighbours is not None else None
         self.masks = self._build_masks(records, mask_records, tokenizer) if mask_records is not None else None
         self._reported_bad_files: Set[str] = set()
 
     def __len__(self) -> int:
-        return len(self._caption_ids)
+        return len(self._anchor_rows) if self._anchor_rows is not None else len(self._caption_ids)
+
+    def _row(self, index: int) -> int:
+        """The row (kept annotation) of sample `index`."""
+        return int(self._anchor_rows[index]) if self._anchor_rows is not None else index
 
     def __getitem__(self, key: int | Tuple[int, int]) -> Dict[str, Any]:
         """Sample `key`, or `(index, augmentation_seed)` as yielded by `SeededDistributedSampler`."""
         index, augmentation_seed = key if isinstance(key, tuple) else (key, None)
+        draws = draw_generator(augmentation_seed)  # hard captions and neighbour, apart from the crops
+        source, pil_image, neighbour = self._images_or_substitute(index, draws)
+        row = self._row(source)
         with seeded_torch_rng(augmentation_seed):
-            source, pil_image = self._image_or_substitute(index)
             if self.masks is None:
                 sample = {"image": self.transform(pil_image)}
             else:
-                sample = self._image_and_masks(source, pil_image, np.random.default_rng(augmentation_seed))
-        sample.update({
-            **self._caption(source, augmentation_seed),
-            "image_id": int(self._image_ids[source]),
-            "caption_id": int(self._caption_ids[source]),
-            "bad_image": source != index,
-        })
-        if self.num_hard_negatives > 0:
-            sample["neg_text"] = torch.from_numpy(self._neg_tokens[self._neg_rows[source]].astype(np.int64))
+                sample = self._image_and_masks(row, pil_image, np.random.default_rng(augmentation_seed))
+        sample.update(self._caption_fields(row, augmentation_seed, draws))
+        sample["bad_image"] = source != index
+        if neighbour is not None:
+            sample.update(self._neighbour_fields(*neighbour, stream_seed(augmentation_seed, NEIGHBOUR_STREAM),
+                                                 draws))
         return sample
+
+    def _caption_fields(self, row: int, seed: Optional[int], draws: np.random.Generator) -> Dict[str, Any]:
+        fields = {**self._caption(row, seed), "image_id": int(self._image_ids[row]),
+                  "caption_id": int(self._caption_ids[row])}
+        if self._negatives is not None:
+            fields["neg_text"] = torch.from_numpy(self._negatives.draw(row, draws))
+        return fields
+
+    def _neighbour_fields(self, row: int, pil_image: Image.Image, seed: Optional[int],
+                          draws: np.random.Generator) -> Dict[str, Any]:
+        """The neighbour's image (its own crop), its own caption and its own drawn hard captions."""
+        with seeded_torch_rng(seed):
+            pixels = self.transform(pil_image) if self.masks is None else self.transform(pil_image, ())[0]
+        fields = {"neg_image": pixels, "neg_image_text": self._caption(row, seed)["text"],
+                  "neg_image_id": int(self._image_ids[row])}
+        if self._negatives is not None:
+            fields["neg_image_neg_text"] = torch.from_numpy(self._negatives.draw(row, draws))
+        return fields
 
     def image_path(self, index: int) -> str:
         """The image file of sample `index`."""
-        return str(self._image_paths[self._image_rows[index]])
+        return self._row_image_path(self._row(index))
+
+    def _row_image_path(self, row: int) -> str:
+        return str(self._image_paths[self._image_rows[row]])
 
     def summary(self) -> str:
         """One line: samples, images, missing images, truncated and empty captions, and the source file."""
         truncated = ("truncation counted per drawn caption" if self._texts is not None
                      else f"{self.num_truncated_captions} truncated captions")
+        neighbours = "" if self.neighbour_counts is None else (
+            f", neg_image: {self.neighbour_counts.out_of_range} out-of-range and "
+            f"{self.neighbour_counts.unavailable} unavailable indices, {self.neighbour_counts.without_neighbour} "
+            f"samples without a neighbour")
         return (f"{len(self)} samples, {self.num_images} images, {self.num_excluded_images} excluded images, "
                 f"{self.num_missing_images} missing images, {truncated}, {self.num_empty_captions} empty "
-                f"captions ({self.annotations})")
+                f"captions{neighbours} ({self.annotations})")
 
     # ----- construction ---------------------------------------------------------------------------------
     def _drop_excluded_images(self, records: List[CaptionRecord], excluded: Set[int]) -> List[CaptionRecord]:
@@ -297,63 +354,65 @@ class CocoCaptions(Dataset):
             logger.warning("%s: %d captions are longer than the context length %d and were truncated",
                            self.annotations, self.num_truncated_captions, self.context_length)
 
-    def _tokenize_negatives(self, tokenizer: CaptionTokenizer, records: List[CaptionRecord]) -> None:
-        chosen = [record.neg_captions[:self.num_hard_negatives] for record in records]
-        lacking = sum(1 for negatives in chosen if not negatives)
-        if lacking:
-            raise ValueError(f"{self.annotations}: {lacking} of {len(records)} annotations have no "
-                             f"neg_captions, but data.num_hard_negatives={self.num_hard_negatives}")
-        counts = np.array([len(negatives) for negatives in chosen], dtype=np.int64)
-        self._neg_rows = cycled_negative_rows(counts, self.num_hard_negatives)
-        self._neg_tokens = tokenize_captions(tokenizer, [c for negatives in chosen for c in negatives])
-
     # ----- loading --------------------------------------------------------------------------------------
-    def _caption(self, source: int, augmentation_seed: Optional[int]) -> Dict[str, Any]:
-        """`text` [L] and `truncated` of sample `source`: stored, or a random sentence prefix tokenised now."""
+    def _caption(self, row: int, seed: Optional[int]) -> Dict[str, Any]:
+        """`text` [L] and `truncated` of row `row`: stored, or a random sentence prefix tokenised now."""
         if self._texts is None:
-            return {"text": torch.from_numpy(self._tokens[source].astype(np.int64)),
-                    "truncated": bool(self._truncated[source])}
+            return {"text": torch.from_numpy(self._tokens[row].astype(np.int64)),
+                    "truncated": bool(self._truncated[row])}
         # Its own stream of the sample's seed: independent of the image crop's draws.
-        rng = np.random.default_rng(None if augmentation_seed is None else [augmentation_seed, 1])
-        caption = random_sentence_prefix(self._texts[source], rng)
+        rng = np.random.default_rng(None if seed is None else [seed, 1])
+        caption = random_sentence_prefix(self._texts[row], rng)
         tokens = tokenize_captions(self._tokenizer, [caption])
         return {"text": torch.from_numpy(tokens[0].astype(np.int64)),
                 "truncated": bool(find_truncated(self._tokenizer, [caption], tokens)[0])}
 
-    def _image_or_substitute(self, index: int) -> Tuple[int, Image.Image]:
-        """(the sample index actually used, its image): `index` itself unless its image is unreadable."""
+    def _images_or_substitute(self, index: int, draws: np.random.Generator
+                              ) -> Tuple[int, Image.Image, Optional[Tuple[int, Image.Image]]]:
+        """(the sample index actually used, its image, its neighbour's (row, image) or None): `index` itself
+        unless its image or its drawn neighbour's image is unreadable."""
         if self.on_bad_image == "error":
-            return index, self._load_image(index)
+            return (index, *self._sample_images(index, draws))
         # A substitute rather than a dropped sample keeps batch sizes equal on every DDP rank.
+        last_bad = None
         for step in range(MAX_SUBSTITUTE_TRIES + 1):
             source = (index + step) % len(self)
             try:
-                return source, self._load_image(source)
+                return (source, *self._sample_images(source, draws))
             except UnreadableImageError as err:
-                self._warn_once(source, err)
+                self._warn_once(err)
+                last_bad = err.path
         raise UnreadableImageError(f"{MAX_SUBSTITUTE_TRIES + 1} consecutive unreadable images from sample "
-                                   f"{index} on, the last {self.image_path(source)}; is {self.image_dir} "
-                                   f"intact?")
+                                   f"{index} on, the last {last_bad}; is {self.image_dir} intact?")
 
-    def _load_image(self, index: int) -> Image.Image:
-        path = self.image_path(index)
+    def _sample_images(self, index: int, draws: np.random.Generator
+                       ) -> Tuple[Image.Image, Optional[Tuple[int, Image.Image]]]:
+        row = self._row(index)
+        image = self._load_image(row)
+        if self._neighbours is None:
+            return image, None
+        neighbour = self._neighbours.draw(row, draws)
+        return image, (neighbour, self._load_image(neighbour))
+
+    def _load_image(self, row: int) -> Image.Image:
+        path = self._row_image_path(row)
         try:
             with Image.open(path) as image:
                 return image.convert("RGB")  # decodes every byte, so a truncated file fails here
         except IMAGE_ERRORS as err:
-            raise UnreadableImageError(f"cannot read image {path}: {err}") from err
+            raise UnreadableImageError(f"cannot read image {path}: {err}", path) from err
 
-    def _image_and_masks(self, source: int, image: Image.Image, rng: np.random.Generator) -> Dict[str, Any]:
+    def _image_and_masks(self, row: int, image: Image.Image, rng: np.random.Generator) -> Dict[str, Any]:
         """Box-aware crop of the image, the patch mask of one sampled phrase, and the token masks."""
-        boxes = self.masks.draw_phrase_boxes(source, rng, self.geometry)
+        boxes = self.masks.draw_phrase_boxes(row, rng, self.geometry)
         pixels, crop = self.transform(image, boxes if boxes is not None else ())
-        token_masks = self.masks.sample_token_masks(source, self.context_length)
+        token_masks = self.masks.sample_token_masks(row, self.context_length)
         patch_mask = self.masks.patch_mask(boxes, crop, rng, self.geometry)
         return {"image": pixels, **{name: torch.from_numpy(mask) for name, mask in token_masks.items()},
                 "patch_mask": torch.from_numpy(patch_mask)}
 
-    def _warn_once(self, index: int, err: UnreadableImageError) -> None:
-        path = self.image_path(index)
+    def _warn_once(self, err: UnreadableImageError) -> None:
+        path = err.path
         if path not in self._reported_bad_files:
             self._reported_bad_files.add(path)
             logger.warning("%s; its samples are replaced by the next readable ones (bad_image=True)", err)
@@ -561,6 +620,7 @@ class CocoDataModule(L.LightningDataModule):
             self.tokenizer, self._transform(augment),
             # Validation reports the plain contrastive loss, comparable across methods and runs.
             num_hard_negatives=data.num_hard_negatives if split == "train" else 0,
+            hard_negative_images=data.hard_negative_images and split == "train",
             on_bad_image=data.on_bad_image,
             max_samples=getattr(data, f"max_{split}_samples"),
             karpathy_splits=tuple(getattr(data, f"{split}_karpathy_splits")),

@@ -99,8 +99,8 @@ class ClipCAE(ClipFineTune):
             # [paper] the attribution regularises the text encoder only: the image embedding is a constant here
             attribution = self._attribution(batch, image.detach(), text_features)
         text = F.normalize(text_features.pooled, dim=-1)
-        negatives = self._encode_negatives(batch) if self.cfg.method.hard_negatives and self.training else None
-        itc = self.itc(image, text, self.clip.logit_scale.exp(), negatives)
+        # NegCLIP's hard negatives (captions, neighbour images) join L_itc only; attribution is of the samples.
+        itc = self._contrastive_loss(batch, image, text)
         attr_loss, report = self._attribution_term(attribution, batch)
         return {"itc_loss": itc, "attr_loss": self.cfg.method.attr_weight * attr_loss}, report
 

@@ -1,10 +1,22 @@
-"""CLIP-FT: contrastive fine-tuning of CLIP, with optional NegCLIP hard-negative captions."""
+"""CLIP-FT: contrastive fine-tuning of CLIP; NegCLIP with its hard-negative captions and images.
+
+NegCLIP as its training code trains (vinid/neg_clip: `src/training/data.py` CsvDataset, `src/training/train.py`
+train_one_epoch, `src/open_clip/loss.py` ClipLoss) [code]: a batch of B rows becomes 2B images
+`[I; I_n]` (the rows' images, then their `neg_image` neighbours) and 4B texts `[T; T_n; H; H_n]` (captions,
+the neighbours' own captions, hard captions, the neighbours' own hard captions). Image-to-text scores the 2B
+images against all 4B texts; text-to-image scores only the 2B captions `[T; T_n]` against the 2B images
+(`logits_per_text[:len(logits_per_image)]`); labels arange(2B), the mean of both cross-entropies. That is
+`ClipLoss(images=[I; I_n], texts=[T; T_n], negatives=[H; H_n])` here. Under DDP the same loss over the global
+batch [ours: the official code trains on one GPU; its gathered labels would not point at the right columns].
+"""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
+from torch import Tensor
 
 from lightning_modules.base import CompositionalCLIPModule, Terms
 from lightning_modules.losses import ClipLoss
@@ -14,26 +26,54 @@ class ClipFineTune(CompositionalCLIPModule):
     """`L_itc` over the global batch (METHODS.md, common contrastive loss).
 
     With `method.hard_negatives`, each sample's `neg_text` captions [B, K, L] are encoded and appended as
-    extra image-to-text columns (NegCLIP); they are never anchors of the text-to-image direction.
+    extra image-to-text columns (NegCLIP); they are never anchors of the text-to-image direction. With
+    `data.hard_negative_images`, each sample's neighbour image and its own caption join as anchors (and its
+    own `neg_image_neg_text` as columns). Both shape the training objective only: validation scores the plain
+    contrastive loss of the samples themselves.
     """
+
+    # data.hard_negative_images is only accepted for methods that train on the neighbours (fit.check_inputs).
+    uses_hard_negative_images = True
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
         self.itc = ClipLoss(local_loss=True, gather_with_grad=True)
 
     def compute_terms(self, batch: dict) -> Tuple[Terms, Terms]:
-        image = F.normalize(self.encoders.encode_image(batch["image"]).pooled, dim=-1)
-        text = F.normalize(self.encoders.encode_text(batch["text"], trim=True).pooled, dim=-1)
-        # Hard negatives shape the training objective; validation scores the plain contrastive loss.
-        use_negatives = self.cfg.method.hard_negatives and self.training
-        negatives = self._encode_negatives(batch) if use_negatives else None
-        loss = self.itc(image, text, self.clip.logit_scale.exp(), negatives)
-        return {"itc_loss": loss}, {}
+        image = self._image_features(batch["image"])
+        text = self._text_features(batch["text"])
+        return {"itc_loss": self._contrastive_loss(batch, image, text)}, {}
 
-    def _encode_negatives(self, batch: dict):
-        if "neg_text" not in batch:
-            raise KeyError("method.hard_negatives=true but the batch has no neg_text: set "
-                           "data.num_hard_negatives > 0 and use annotations with neg_captions")
-        neg_ids = batch["neg_text"]
+    def _image_features(self, images: Tensor) -> Tensor:
+        return F.normalize(self.encoders.encode_image(images).pooled, dim=-1)
+
+    def _text_features(self, ids: Tensor) -> Tensor:
+        return F.normalize(self.encoders.encode_text(ids, trim=True).pooled, dim=-1)
+
+    def _contrastive_loss(self, batch: dict, image: Tensor, text: Tensor) -> Tensor:
+        """L_itc of the samples' features `image`, `text` [B, D]; in training with NegCLIP's hard negatives."""
+        if self.training and self.cfg.data.hard_negative_images:
+            image = torch.cat([image, self._image_features(_required(batch, "neg_image"))])
+            text = torch.cat([text, self._text_features(batch["neg_image_text"])])
+        negatives = self._encode_negatives(batch) if self.training and self.cfg.method.hard_negatives else None
+        return self.itc(image, text, self.clip.logit_scale.exp(), negatives)
+
+    def _encode_negatives(self, batch: dict) -> Tensor:
+        """[B, K, D] hard captions of the samples, or [2B, K, D] with the neighbours' own after them."""
+        neg_ids = _required(batch, "neg_text")
+        if self.cfg.data.hard_negative_images:
+            neg_ids = torch.cat([neg_ids, _required(batch, "neg_image_neg_text")])
         pooled = self.encoders.encode_text(neg_ids.flatten(0, 1), trim=True).pooled
         return F.normalize(pooled, dim=-1).view(*neg_ids.shape[:2], -1)
+
+
+HINTS = {"neg_text": "set data.num_hard_negatives > 0 and use annotations with neg_captions",
+         "neg_image": "the training split needs the NegCLIP TSV with data.hard_negative_images=true",
+         "neg_image_neg_text": "set data.num_hard_negatives > 0 with data.hard_negative_images=true"}
+
+
+def _required(batch: dict, key: str) -> Tensor:
+    value: Optional[Tensor] = batch.get(key)
+    if value is None:
+        raise KeyError(f"the batch has no {key}: {HINTS[key]}")
+    return value

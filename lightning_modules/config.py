@@ -123,20 +123,27 @@ class MethodConfig:
 
 @dataclass
 class DataConfig:
-    # COCO-format data: a captions JSON and an image folder per split, both relative to `root`.
+    # Caption data per split, relative to `root`: an annotation file (Karpathy `dataset_coco.json`, a COCO
+    # captions JSON, or a NegCLIP TSV) and the folder its image file names are relative to. The default is
+    # Karpathy's split (train + restval / val; file names `train2014/...`, `val2014/...` under root), which
+    # holds no Karpathy-test image; `captions_train2017.json` holds most of them (README, leakage guard).
     root: str = "data/coco"
-    train_annotations: str = "annotations/captions_train2017.json"
-    train_images: str = "train2017"
-    val_annotations: Optional[str] = "annotations/captions_val2017.json"  # null: no validation
-    val_images: str = "val2017"
+    train_annotations: str = "annotations/dataset_coco.json"
+    train_images: str = "."
+    val_annotations: Optional[str] = "annotations/dataset_coco.json"  # null: no validation
+    val_images: str = "."
     # Per-device batch size (the global batch is batch_size x devices x nodes).
     batch_size: int = 256
     val_batch_size: Optional[int] = None
     num_workers: int = 4
     # What a missing or unreadable image does: "error" (raise, naming the file) or "skip" (counted, logged).
     on_bad_image: str = "error"
-    # Hard-negative captions per sample, read from each annotation's `neg_captions` list (0 = none).
+    # Hard-negative captions per training sample, drawn at random from the annotation's `neg_captions` at every
+    # access (NegCLIP's training code draws one; K > 1 are distinct while the annotation has >= K); 0 = none.
     num_hard_negatives: int = 0
+    # NegCLIP's hard-negative images: each training sample's `neg_image` neighbour (NegCLIP TSV), drawn at
+    # random at every access, joins the batch with its own caption and hard captions (2B images, 4B texts).
+    hard_negative_images: bool = False
     # Random-resized-crop augmentation for training (false = the deterministic eval transform).
     train_augment: bool = True
     # Cap the number of (image, caption) pairs per split, for quick runs. null = all.
@@ -270,6 +277,9 @@ class EvaluationConfig:
     # Constructor options per benchmark, e.g. {sugarcrepe: {images: /data/coco/val2017}}.
     options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     batch_size: int = 256
+    # fit refuses to start when these benchmarks share COCO images with the training set (the leakage guard,
+    # lightning_modules/leakage.py): true trains anyway (the overlap is logged).
+    allow_train_overlap: bool = False
 
 
 @dataclass

@@ -4,7 +4,8 @@ The run directory `runs_root/<experiment>/` is stable: running the same command 
 resumes from the run's newest intact checkpoint and continues the same TensorBoard curves (fixed logger
 version). A run directory is one experiment: a rerun with a changed config (outside the keys that are safe to
 change on resume) is refused before anything is written, and a start that fails before its first training step
-leaves no run directory behind.
+leaves no run directory behind. A run whose training set shares images with the benchmarks it scores during
+training is refused before anything is built or written (leakage.py), unless evaluation.allow_train_overlap.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import logging
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import lightning as L
 import torch
@@ -23,14 +24,16 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from datamodules.benchmarks import Benchmark
 from datamodules.coco import CocoDataModule
 from datamodules.inputs import InputError, check_data_inputs
-from lightning_modules import method_class
+from lightning_modules import METHODS, method_class
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
                                         SamplesPerSecond)
 from lightning_modules.config import load_config_or_exit, save_config
 from lightning_modules.evaluation import build_benchmarks, default_roots
+from lightning_modules.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
 from lightning_modules.monitor import build_attribution_monitor
 from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, candidates, check_resume_config,
                                      checked_checkpoint, checkpoint_step, choose_resume_checkpoint, ResumeConfigError)
@@ -143,7 +146,8 @@ def has_validation(cfg: DictConfig) -> bool:
     return cfg.trainer.limit_val_batches != 0 and bool(cfg.data.val_annotations)
 
 
-def build_callbacks(cfg: DictConfig, run_dir: Path) -> List[L.Callback]:
+def build_callbacks(cfg: DictConfig, run_dir: Path,
+                    benchmarks: Optional[Dict[str, Benchmark]] = None) -> List[L.Callback]:
     callbacks: List[L.Callback] = [
         LastCheckpoint(run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, cfg.checkpoint.every_n_steps),
         MidEpochStopState(),
@@ -155,29 +159,54 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> List[L.Callback]:
             dirpath=run_dir / CHECKPOINT_DIR, filename="best-{step}", monitor=cfg.checkpoint.monitor,
             mode=cfg.checkpoint.mode, save_top_k=1, auto_insert_metric_name=False,
             save_on_train_epoch_end=False))  # only after validation, where the metric is fresh
-    if cfg.evaluation.benchmarks and cfg.evaluation.every_n_steps:
-        callbacks.append(build_evaluation_callback(cfg.evaluation))
+    if evaluates_during_training(cfg):
+        callbacks.append(build_evaluation_callback(cfg.evaluation, benchmarks))
     monitor = build_attribution_monitor(cfg)
     if monitor is not None:
         callbacks.append(monitor)
     return callbacks
 
 
-def build_evaluation_callback(evaluation: DictConfig) -> BenchmarkEvaluation:
+def evaluates_during_training(cfg: DictConfig) -> bool:
+    return bool(cfg.evaluation.benchmarks) and bool(cfg.evaluation.every_n_steps)
+
+
+def configured_benchmarks(evaluation: DictConfig) -> Dict[str, Benchmark]:
+    """`evaluation.benchmarks`, built from `evaluation.data_root` / `roots` / `options`."""
     roots = default_roots(Path(evaluation.data_root), {k: Path(v) for k, v in evaluation.roots.items()})
     options = {name: dict(values) for name, values in evaluation.options.items()}
-    benchmarks = build_benchmarks(list(evaluation.benchmarks), roots, options)
+    return build_benchmarks(list(evaluation.benchmarks), roots, options)
+
+
+def build_evaluation_callback(evaluation: DictConfig,
+                              benchmarks: Optional[Dict[str, Benchmark]] = None) -> BenchmarkEvaluation:
+    benchmarks = configured_benchmarks(evaluation) if benchmarks is None else benchmarks
     return BenchmarkEvaluation(benchmarks, evaluation.every_n_steps, evaluation.batch_size)
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+def training_benchmarks(cfg: DictConfig) -> Dict[str, Benchmark]:
+    """The benchmarks this run scores during training ({} when it scores none); a missing one is an error."""
+    return configured_benchmarks(cfg.evaluation) if evaluates_during_training(cfg) else {}
+
+
+def check_train_overlap(cfg: DictConfig, benchmarks: Dict[str, Benchmark]) -> None:
+    """Refuse (`TrainingOverlapError`, with the counts) a training set that holds images of `benchmarks`,
+    unless `evaluation.allow_train_overlap` (then it is logged)."""
+    if benchmarks:
+        source = f"data.train_annotations={cfg.data.train_annotations}"
+        check_training_overlap(config_training_image_ids(cfg.data), benchmarks, cfg.evaluation.allow_train_overlap,
+                               source)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, extra_callbacks: Sequence[L.Callback] = (),
+                  benchmarks: Optional[Dict[str, Benchmark]] = None) -> L.Trainer:
     t = cfg.trainer
     logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version=0, default_hp_metric=False)
     optional = {key: t[key] for key in ("gradient_clip_val", "val_check_interval", "limit_train_batches",
                                         "limit_val_batches") if t[key] is not None}
     if not has_validation(cfg):
         optional["limit_val_batches"] = 0
-    callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
+    callbacks = [*build_callbacks(cfg, run_dir, benchmarks), *extra_callbacks]
     # Without a best-checkpoint callback Lightning would add its own ModelCheckpoint in the logger directory.
     enable_checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     return L.Trainer(
@@ -208,8 +237,12 @@ def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.Ligh
 
 def check_inputs(cfg: DictConfig) -> None:
     """The data this run reads exists (`InputError` naming every missing input) before anything is built."""
-    reads_features = bool(cfg.data.features_cache) and getattr(method_class(cfg.method.name),
-                                                               "reads_cached_features", False)
+    method = method_class(cfg.method.name)
+    if cfg.data.hard_negative_images and not getattr(method, "uses_hard_negative_images", False):
+        users = [name for name, cls in METHODS.items() if getattr(cls, "uses_hard_negative_images", False)]
+        raise InputError(f"training cannot start:\n  - data.hard_negative_images=true: method {cfg.method.name} "
+                         f"does not train on hard-negative images (only {', '.join(users)} do)")
+    reads_features = bool(cfg.data.features_cache) and getattr(method, "reads_cached_features", False)
     check_data_inputs(cfg, need_images=not reads_features)
 
 
@@ -217,12 +250,14 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Traine
     """Train `cfg` in its run directory, resuming when possible; return the trainer."""
     check_inputs(cfg)
     changes = check_rerun(cfg)
+    benchmarks = training_benchmarks(cfg)
+    check_train_overlap(cfg, benchmarks)
     with removed_if_start_fails(run_dir_of(cfg), fresh=not cfg.resume):
         run_dir = prepare_run_dir(cfg)
         L.seed_everything(cfg.seed, workers=True)
         module = build_module(cfg)
         datamodule = build_datamodule(cfg, module)
-        trainer = build_trainer(cfg, run_dir, extra_callbacks)
+        trainer = build_trainer(cfg, run_dir, extra_callbacks, benchmarks)
         checkpoint = resume_checkpoint(cfg, run_dir)
         record_resume(run_dir, checkpoint, changes)
         trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
@@ -234,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
         run(load_config_or_exit(args.config, args.overrides))
-    except ResumeConfigError as err:
+    except (ResumeConfigError, TrainingOverlapError) as err:
         raise SystemExit(f"refused: {err}") from None
     except InputError as err:
         raise SystemExit(str(err)) from None

@@ -5,7 +5,12 @@ COCO-Order); Karpathy train+restval can hold val2017 images (SugarCrepe, BiVLC, 
 plurals/relations). COCO ids are shared between the 2014 and 2017 releases, so the overlap is an
 intersection of ids. The guard reads the training annotations of a config (or `--train FILE`), intersects
 them with each benchmark's COCO image ids, prints the overlap, and can write the union of benchmark ids as a
-`data.exclude_image_ids` file, so that a retrain is disjoint from the evaluation sets by construction.
+`data.exclude_image_ids` file, so that a retrain is disjoint from the evaluation sets by construction. A
+config's training set is what the run reads: the first `data.max_train_samples` records, less
+`data.exclude_image_ids`. Training images count by the benchmarks' rule: files named as COCO names them.
+
+`fit` runs the same check (`check_training_overlap`) on the benchmarks it scores during training and refuses
+to start on any overlap unless `evaluation.allow_train_overlap=true`.
 
 Example:
     python -m lightning_modules.leakage --config configs/negclip.yaml --benchmarks coco_retrieval,sugarcrepe \
@@ -15,15 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Sequence, Set
 
-from datamodules.annotations import read_annotation_file
+from datamodules.annotations import CaptionRecord, read_annotation_file
 from datamodules.benchmarks import Benchmark
+from datamodules.benchmarks.base import coco_id_from_name
+from datamodules.coco import read_image_ids
 from datamodules.files import atomic_write_text
 from lightning_modules.config import load_config_or_exit
 from lightning_modules.evaluate import add_benchmark_arguments, select_benchmarks
+
+log = logging.getLogger(__name__)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -40,13 +50,61 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class TrainingOverlapError(ValueError):
+    """Benchmarks scored during training share images with the training set; the message gives the counts."""
+
+
+def coco_ids_of(records: Sequence[CaptionRecord]) -> Set[int]:
+    """COCO ids of the records' images, by the benchmarks' rule (a COCO-named file; other names are not COCO)."""
+    ids = (coco_id_from_name(record.file_name) for record in records)
+    return {i for i in ids if i is not None}
+
+
 def training_image_ids(paths: Sequence[Path], karpathy_splits: Sequence[str]) -> Set[int]:
-    return {record.image_id for path in paths for record in read_annotation_file(str(path), karpathy_splits)}
+    return {i for path in paths for i in coco_ids_of(read_annotation_file(str(path), karpathy_splits))}
 
 
-def config_training_files(config_files: Sequence[str]) -> tuple[list[Path], list[str]]:
-    cfg = load_config_or_exit(config_files, [])
-    return [Path(cfg.data.root) / cfg.data.train_annotations], list(cfg.data.train_karpathy_splits)
+def config_training_image_ids(data) -> Set[int]:
+    """COCO ids of the images a run with the `data` config section trains on, selected as the COCO dataset
+    selects them: the train split's first `max_train_samples` records, less `exclude_image_ids`."""
+    path = Path(data.root) / data.train_annotations
+    records = read_annotation_file(str(path), list(data.train_karpathy_splits))[:data.max_train_samples]
+    return coco_ids_of(records) - read_image_ids(data.exclude_image_ids)
+
+
+def shared_images(train_ids: Set[int], benchmarks: Mapping[str, Benchmark]) -> Set[int]:
+    """The distinct training images that are images of any of the benchmarks."""
+    return set().union(*(benchmark.coco_image_ids() & train_ids for benchmark in benchmarks.values()))
+
+
+def check_training_overlap(train_ids: Set[int], benchmarks: Mapping[str, Benchmark], allow: bool,
+                           train_source: str) -> Dict[str, Dict[str, object]]:
+    """fit's guard: raise `TrainingOverlapError` when `benchmarks` share images with the training set, unless
+    `allow` (then the overlap is logged as a warning). Returns the per-benchmark report.
+
+    Args:
+        train_ids: COCO ids of the training images (`config_training_image_ids`).
+        benchmarks: the benchmarks scored during training, by name.
+        allow: `evaluation.allow_train_overlap`.
+        train_source: what the training set is, for the message (the annotation file).
+    """
+    report = leakage_report(train_ids, benchmarks)
+    overlapping = {name: row for name, row in report.items() if row["overlap"]}
+    if not overlapping:
+        return report
+    per_benchmark = "; ".join(f"{name}: {row['overlap']} of its {row['coco_images']} COCO images"
+                              for name, row in overlapping.items())
+    message = (f"{len(shared_images(train_ids, benchmarks))} training images ({train_source}) are images of the "
+               f"evaluation benchmarks ({per_benchmark}), so their scores would be partly scores on training "
+               f"images")
+    if allow:
+        log.warning("%s (evaluation.allow_train_overlap=true)", message)
+        return report
+    raise TrainingOverlapError(
+        f"{message}. Train on data without them (the Karpathy train + restval split of dataset_coco.json, or "
+        f"data.exclude_image_ids=FILE written by python -m lightning_modules.leakage --config ... "
+        f"--write-exclusions FILE), drop those benchmarks from evaluation.benchmarks, or set "
+        f"evaluation.allow_train_overlap=true to train anyway")
 
 
 def leakage_report(train_ids: Set[int], benchmarks: Mapping[str, Benchmark]) -> Dict[str, Dict[str, object]]:
@@ -72,10 +130,9 @@ def format_report(report: Mapping[str, Mapping[str, object]], train_images: int)
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, object]]:
     args = parse_args(argv)
     if args.config:
-        paths, splits = config_training_files(args.config)
+        train_ids = config_training_image_ids(load_config_or_exit(args.config, []).data)
     else:
-        paths, splits = args.train, args.karpathy_splits.split(",")
-    train_ids = training_image_ids(paths, splits)
+        train_ids = training_image_ids(args.train, args.karpathy_splits.split(","))
     benchmarks = select_benchmarks(args)
     report = leakage_report(train_ids, benchmarks)
     print(format_report(report, len(train_ids)))

@@ -22,6 +22,7 @@ from PIL import Image
 
 from datamodules.annotations import read_annotation_file, read_negclip_tsv
 from datamodules.coco import CocoCaptions, CocoDataModule, UnreadableImageError, build_dataloader
+from datamodules.hard_negatives import NeighbourTable, build_neighbour_table, draw_positions
 from lightning_modules.config import DataConfig
 
 REAL_NEGCLIP_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
@@ -100,9 +101,13 @@ def test_text_and_negatives_equal_the_tokenizer_output(coco_dir, tokenizer, tran
     assert torch.equal(data[2]["text"], tokens(tokenizer, "Two green triangles.")[0])
     # One negative, K=2: it is repeated.
     assert torch.equal(data[0]["neg_text"], tokens(tokenizer, *["A blue square left of a red circle."] * 2))
-    # Three negatives, K=2: the first two.
-    assert torch.equal(data[1]["neg_text"], tokens(tokenizer, "a blue square", "a green square"))
-    assert torch.equal(data[2]["neg_text"], tokens(tokenizer, "Two red triangles.", "One green triangle."))
+    # Three negatives, K=2: two distinct ones of the three, drawn at this access.
+    three = tokens(tokenizer, "a blue square", "a green square", "a red circle")
+    drawn = data[1]["neg_text"]
+    assert not torch.equal(drawn[0], drawn[1]) and all((three == row).all(-1).any() for row in drawn)
+    # Two negatives, K=2: both, in a random order.
+    two = tokens(tokenizer, "Two red triangles.", "One green triangle.")
+    assert sorted(map(tuple, data[2]["neg_text"].tolist())) == sorted(map(tuple, two.tolist()))
     assert [data[i]["image_id"] for i in range(4)] == [1, 1, 2, 3]
 
 
@@ -222,12 +227,13 @@ def test_missing_or_invalid_annotation_file_is_an_error_naming_it(tmp_path, toke
 
 # ----- NegCLIP TSV --------------------------------------------------------------------------------------
 def write_negclip_tsv(path: Path, rows: list) -> Path:
-    """Rows of (title, filepath, neg_caption list), written the way pandas `to_csv(sep="\\t")` does."""
+    """Rows of (title, filepath, neg_caption list[, neg_image list]), written the way pandas
+    `to_csv(sep="\\t")` does."""
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle, delimiter="\t")
         writer.writerow(["", "title", "filepath", "neg_caption", "neg_image"])
-        for index, (title, filepath, negatives) in enumerate(rows):
-            writer.writerow([index, title, filepath, repr(negatives), "[1, 2, 3]"])
+        for index, (title, filepath, negatives, *neg_image) in enumerate(rows):
+            writer.writerow([index, title, filepath, repr(negatives), repr(neg_image[0] if neg_image else [1, 2, 3])])
     return path
 
 
@@ -373,3 +379,198 @@ def test_augmentation_is_a_function_of_seed_epoch_and_index(tmp_path, tokenizer)
     assert torch.equal(torch.rand(1), before)  # loading did not consume the global RNG
     assert torch.equal(in_process, augmented_epoch(data, 0, num_workers=2))
     assert not torch.equal(in_process, augmented_epoch(data, 1, num_workers=0))
+
+
+# ----- NegCLIP hard negatives: drawn at every access, seeded; neg_image neighbours ---------------------
+# Row i: image id i + 1, caption "caption i", 1 + i % 3 negatives, neg_image = the next three rows.
+NEIGHBOURS = {i: [(i + 1) % 6, (i + 2) % 6, (i + 3) % 6] for i in range(6)}
+
+
+def negclip_rows() -> list:
+    return [(f"caption {i}", f"coco/val2014/{negclip_image(i)}", [f"neg {i} {c}" for c in "abc"[:1 + i % 3]],
+             NEIGHBOURS[i]) for i in range(6)]
+
+
+def negclip_image(row: int) -> str:
+    return f"COCO_val2014_{row + 1:012d}.jpg"
+
+
+def write_negclip_dir(root: Path, rows: list) -> Path:
+    for i in range(len(rows)):
+        write_png(root / "images" / negclip_image(i), seed=i)  # a flat folder: the TSV's fallback path
+    write_negclip_tsv(root / "train.tsv", rows)
+    return root
+
+
+@pytest.fixture
+def negclip_dir(tmp_path) -> Path:
+    return write_negclip_dir(tmp_path, negclip_rows())
+
+
+def negclip(root: Path, tokenizer, transform, **options) -> CocoCaptions:
+    options = {"num_hard_negatives": 1, "hard_negative_images": True, **options}
+    return CocoCaptions(root / "train.tsv", root / "images", tokenizer, transform, **options)
+
+
+def position_in(table: torch.Tensor, row: torch.Tensor) -> int:
+    """Which row of `table` [N, L] equals `row` [L] (it must be one of them)."""
+    matches = torch.nonzero((table == row).all(-1)).flatten().tolist()
+    assert len(matches) == 1, "not one of the expected captions"
+    return matches[0]
+
+
+def test_a_hard_caption_is_drawn_at_random_at_every_access(negclip_dir, tokenizer, transform):
+    data = negclip(negclip_dir, tokenizer, transform, hard_negative_images=False)
+    three = tokens(tokenizer, "neg 2 a", "neg 2 b", "neg 2 c")
+    # Uniform over 3: all are seen in 40 unseeded accesses but with probability 3 (2/3)^40 ~ 3e-7.
+    assert {position_in(three, data[2]["neg_text"][0]) for _ in range(40)} == {0, 1, 2}
+
+
+def test_draws_are_a_function_of_the_augmentation_seed(negclip_dir, tokenizer, transform):
+    data = negclip(negclip_dir, tokenizer, transform)
+    first, again = data[(2, 7)], data[(2, 7)]
+    for key in ("neg_text", "neg_image", "neg_image_text", "neg_image_neg_text"):
+        assert torch.equal(first[key], again[key]), key
+    assert first["neg_image_id"] == again["neg_image_id"]
+    three = tokens(tokenizer, "neg 2 a", "neg 2 b", "neg 2 c")
+    draws = [data[(2, seed)] for seed in range(30)]
+    assert {position_in(three, s["neg_text"][0]) for s in draws} == {0, 1, 2}
+    assert {s["neg_image_id"] for s in draws} == {row + 1 for row in NEIGHBOURS[2]}
+
+
+def test_choices_are_uniform_distinct_while_possible_and_cycled():
+    rng = np.random.default_rng(0)
+    one_of_three = np.bincount([draw_positions(rng, 3, 1)[0] for _ in range(6000)], minlength=3)
+    assert np.all(np.abs(one_of_three - 2000) < 200)  # binomial sd ~37
+    assert all(len(set(draw_positions(rng, 3, 2).tolist())) == 2 for _ in range(50))
+    assert sorted(draw_positions(rng, 2, 5).tolist()) in ([0, 0, 0, 1, 1], [0, 0, 1, 1, 1])
+    table = NeighbourTable([[4, 7, 9], [], [2]])
+    neighbours = np.bincount([table.draw(0, rng) for _ in range(6000)], minlength=10)
+    assert neighbours.sum() == neighbours[[4, 7, 9]].sum() and np.all(np.abs(neighbours[[4, 7, 9]] - 2000) < 200)
+    assert table.anchor_rows.tolist() == [0, 2]
+
+
+def epoch_draws(data: CocoCaptions, epoch: int, num_workers: int = 0, batches_done: int = 0) -> list:
+    """Per sample of a seeded training epoch: caption id, hard caption, neighbour id, neighbour's hard caption."""
+    loader = build_dataloader(data, batch_size=2, num_workers=num_workers, world_size=1, rank=0, train=True,
+                              seed=3)
+    loader.sampler.set_epoch(epoch)
+    if batches_done:
+        loader.load_state_dict({"epoch": epoch, "batches_done": batches_done})  # what a resume does
+    return [(int(b["caption_id"][i]), b["neg_text"][i, 0].tolist(), int(b["neg_image_id"][i]),
+             b["neg_image_neg_text"][i, 0].tolist()) for b in loader for i in range(len(b["caption_id"]))]
+
+
+def test_draws_change_with_the_epoch_and_are_the_same_with_workers_and_after_a_resume(negclip_dir, tokenizer,
+                                                                                   transform):
+    data = negclip(negclip_dir, tokenizer, transform)
+    epoch0 = epoch_draws(data, 0)
+    assert len(epoch0) == 6
+    assert epoch_draws(data, 0, num_workers=2) == epoch0
+    assert epoch_draws(data, 0, batches_done=1) == epoch0[2:]  # a run resumed after one batch
+    by_caption = lambda draws: {d[0]: d[1:] for d in draws}  # noqa: E731
+    assert by_caption(epoch_draws(data, 1)) != by_caption(epoch0)
+
+
+def test_the_neighbour_joins_with_its_own_image_caption_and_hard_caption(negclip_dir, tokenizer, transform):
+    data, rows = negclip(negclip_dir, tokenizer, transform), negclip_rows()
+    for seed in range(8):
+        sample = data[(1, seed)]
+        neighbour = sample["neg_image_id"] - 1
+        assert neighbour in NEIGHBOURS[1]
+        title, _, negatives, _ = rows[neighbour]
+        assert torch.equal(sample["text"], tokens(tokenizer, "caption 1")[0])
+        assert torch.equal(sample["neg_image_text"], tokens(tokenizer, title)[0])
+        position_in(tokens(tokenizer, *negatives), sample["neg_image_neg_text"][0])
+        with Image.open(negclip_dir / "images" / negclip_image(neighbour)) as image:
+            assert torch.equal(sample["neg_image"], transform(image.convert("RGB")))
+
+
+def test_a_batch_holds_2b_images_and_4b_texts_with_the_neighbours_own_captions(negclip_dir, tokenizer, transform):
+    loader = build_dataloader(negclip(negclip_dir, tokenizer, transform), batch_size=3, num_workers=0,
+                              world_size=1, rank=0, train=True)
+    batch = next(iter(loader))
+    images = torch.cat([batch["image"], batch["neg_image"]])
+    texts = torch.cat([batch["text"], batch["neg_image_text"], batch["neg_text"].flatten(0, 1),
+                       batch["neg_image_neg_text"].flatten(0, 1)])
+    assert images.shape == (6, 3, IMAGE_SIZE, IMAGE_SIZE) and texts.shape == (12, 77)
+    rows = negclip_rows()
+    for i, caption_id in enumerate(batch["caption_id"].tolist()):
+        neighbour = int(batch["neg_image_id"][i]) - 1
+        assert neighbour in NEIGHBOURS[caption_id]
+        assert torch.equal(batch["neg_image_text"][i], tokens(tokenizer, rows[neighbour][0])[0])
+        position_in(tokens(tokenizer, *rows[caption_id][2]), batch["neg_text"][i, 0])
+        position_in(tokens(tokenizer, *rows[neighbour][2]), batch["neg_image_neg_text"][i, 0])
+
+
+def test_neg_image_indices_outside_the_file_are_an_error_or_counted_skips(tmp_path, tokenizer, transform):
+    rows = negclip_rows()
+    rows[2] = (*rows[2][:3], [3, 99, -1])
+    rows[4] = (*rows[4][:3], [6, 7])  # nothing left: not trained on, still row 3's neighbour
+    write_negclip_dir(tmp_path, rows)
+    with pytest.raises(ValueError, match=r"train\.tsv: 4 neg_image indices lie outside the file's 6 data rows "
+                                         r"\(row 2 lists 99, row 2 lists -1, row 4 lists 6, row 4 lists 7\).*skip"):
+        negclip(tmp_path, tokenizer, transform)
+    data = negclip(tmp_path, tokenizer, transform, on_bad_image="skip")
+    counts = data.neighbour_counts
+    assert (counts.out_of_range, counts.unavailable, counts.without_neighbour) == (4, 0, 1)
+    assert [data[i]["caption_id"] for i in range(len(data))] == [0, 1, 2, 3, 5]
+    assert {data[(2, seed)]["neg_image_id"] for seed in range(10)} == {4}  # row 2 keeps row 3 only
+    assert {data[(3, seed)]["neg_image_id"] for seed in range(30)} == {5, 6, 1}  # rows 4, 5, 0
+    assert "1 samples without a neighbour" in data.summary()
+
+
+def test_rows_the_dataset_does_not_hold_are_never_drawn(negclip_dir, tokenizer, transform):
+    excluded = negclip(negclip_dir, tokenizer, transform, exclude_image_ids={4})  # row 3: listed by rows 0, 1, 2
+    assert excluded.neighbour_counts.unavailable == 3 and len(excluded) == 5
+    assert 4 not in {excluded[(i, seed)]["neg_image_id"] for i in range(len(excluded)) for seed in range(8)}
+    first_three = negclip(negclip_dir, tokenizer, transform, max_samples=3)  # row 2 lists rows 3, 4, 5 only
+    counts = first_three.neighbour_counts
+    assert (counts.unavailable, counts.without_neighbour, len(first_three)) == (1 + 2 + 3, 1, 2)
+    (negclip_dir / "images" / negclip_image(5)).unlink()  # row 5: listed by rows 2, 3, 4
+    with pytest.raises(FileNotFoundError, match=negclip_image(5)):
+        negclip(negclip_dir, tokenizer, transform)
+    missing = negclip(negclip_dir, tokenizer, transform, on_bad_image="skip")
+    assert missing.neighbour_counts.unavailable == 3 and len(missing) == 5
+    assert 6 not in {missing[(i, seed)]["neg_image_id"] for i in range(len(missing)) for seed in range(8)}
+
+
+def test_an_unreadable_neighbour_image_is_an_error_or_substituted(negclip_dir, tokenizer, transform):
+    (negclip_dir / "images" / negclip_image(1)).write_bytes(b"not an image")  # row 0's neighbour 1 of 3
+    strict = negclip(negclip_dir, tokenizer, transform)
+    with pytest.raises(UnreadableImageError, match=negclip_image(1)):
+        for seed in range(30):
+            strict[(0, seed)]
+    samples = [negclip(negclip_dir, tokenizer, transform, on_bad_image="skip")[(0, seed)] for seed in range(30)]
+    # Drawing row 1 as the neighbour replaces the sample by the next readable one: row 1 is unreadable itself,
+    # so row 2, whose neighbours 3, 4, 5 are readable.
+    assert {(s["bad_image"], s["caption_id"]) for s in samples} == {(False, 0), (True, 2)}
+    assert all(s["neg_image_id"] != 2 for s in samples)
+
+
+def test_hard_negative_images_need_the_neg_image_column(coco_dir, tmp_path, tokenizer, transform):
+    with pytest.raises(ValueError, match=r"captions\.json: 4 of 4 annotations have no neg_image"):
+        dataset(coco_dir, tokenizer, transform, hard_negative_images=True)
+    rows = negclip_rows()
+    rows[3] = (*rows[3][:3], "4, 5")  # written as a quoted string, not a list
+    write_negclip_tsv(tmp_path / "bad.tsv", rows)
+    with pytest.raises(ValueError, match=r"bad\.tsv: row 3 has a neg_image that is not a list of row indices"):
+        read_negclip_tsv(str(tmp_path / "bad.tsv"))
+
+
+def test_only_the_training_split_gets_neighbours(negclip_dir, tokenizer, transform):
+    config = data_config(negclip_dir, train_annotations="train.tsv", val_annotations="train.tsv",
+                         num_hard_negatives=1, hard_negative_images=True)
+    module = CocoDataModule(config, tokenizer, transform, transform)
+    module.setup("fit")
+    assert {"neg_image", "neg_image_text", "neg_image_neg_text", "neg_text"} <= set(module.train_dataset[0])
+    assert not {"neg_image", "neg_text"} & set(module.val_dataset[0])
+
+
+@pytest.mark.skipif(not REAL_NEGCLIP_TSV.is_file(), reason="the shared data folder is not beside the repo")
+def test_real_negclip_tsv_neighbours_are_rows_of_the_file():
+    records = read_negclip_tsv(str(REAL_NEGCLIP_TSV))
+    assert records[0].neg_image_rows == (2973, 1515, 2235)
+    table, counts = build_neighbour_table(records, len(records), "error", str(REAL_NEGCLIP_TSV))
+    assert (counts.out_of_range, counts.unavailable, counts.without_neighbour) == (0, 0, 0)
+    assert len(table.anchor_rows) == len(records) and np.all(table.counts == 3)

@@ -59,3 +59,25 @@ def test_missing_file_and_malformed_override():
         load_config([Path("configs/nope.yaml")])
     with pytest.raises(ConfigError, match="key=value"):
         load_config([], ["trainer.max_steps"])
+
+
+COCO_RECIPES = sorted(p for p in (REPO_ROOT / "configs").glob("*.yaml") if p.name != "base.yaml")
+
+
+@pytest.mark.parametrize("path", COCO_RECIPES, ids=lambda p: p.name)
+def test_coco_recipes_train_without_karpathy_test_images(path):
+    """Karpathy train + restval (validation on Karpathy val), or NegCLIP's own TSVs; never COCO 2017's
+    captions_train2017.json, which holds most Karpathy-test images."""
+    data = load_config([path]).data
+    if data.train_annotations.endswith(".tsv"):
+        assert (data.train_annotations, data.val_annotations) == ("negclip/train_neg_clip.tsv",
+                                                                  "negclip/valid_neg_clip.tsv")
+        return
+    assert data.train_annotations == data.val_annotations == "annotations/dataset_coco.json"
+    assert list(data.train_karpathy_splits) == ["train", "restval"] and list(data.val_karpathy_splits) == ["val"]
+
+
+def test_the_default_data_is_karpathys_split():
+    data = load_config([]).data
+    assert data.train_annotations.endswith("dataset_coco.json") and list(data.train_karpathy_splits) == [
+        "train", "restval"]

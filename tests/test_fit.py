@@ -396,3 +396,166 @@ def without_key_biases(state: dict) -> dict:
             width = value.shape[0] // 3
             state[key] = torch.cat([value[:width], torch.zeros_like(value[width:2 * width]), value[2 * width:]])
     return state
+
+
+# ----- NegCLIP with hard-negative images ------------------------------------------------------------------
+def write_negclip_tsv_world(root: Path, rows: int = 16) -> Path:
+    """A NegCLIP training TSV of `rows` captions, one 64 px image each (COCO-named), 2 hard captions and 3
+    neg_image neighbours per row."""
+    import csv
+
+    import numpy as np
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    colours = ("red", "green", "blue", "yellow")
+    with open(root / "train.tsv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle, delimiter="\t")
+        writer.writerow(["", "title", "filepath", "neg_caption", "neg_image"])
+        for i in range(rows):
+            name = f"COCO_train2014_{i + 1:012d}.jpg"
+            pixels = np.random.default_rng(i).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / "images" / name)
+            a, b = colours[i % 4], colours[(i + 1) % 4]
+            writer.writerow([i, f"a {a} square left of a {b} circle", f"coco/train2014/{name}",
+                             repr([f"a {b} square left of a {a} circle", f"a {a} circle left of a {b} square"]),
+                             repr([(i + k) % rows for k in (1, 5, 9)])])
+    return root
+
+
+NEGCLIP_OVERRIDES = ("method.hard_negatives=true", "data.num_hard_negatives=1", "data.hard_negative_images=true",
+                     "data.train_annotations=train.tsv", "data.train_images=images", "data.val_annotations=null")
+
+
+def test_negclip_batches_have_2b_images_and_4b_texts_end_to_end(tmp_path):
+    root = write_negclip_tsv_world(tmp_path / "data")
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seen.append({key: tuple(value.shape) for key, value in batch.items() if torch.is_tensor(value)})
+
+    trainer = run(tiny_config(root, tmp_path / "runs", *NEGCLIP_OVERRIDES, "trainer.max_steps=2"), [Record()])
+    assert trainer.global_step == 2 and len(seen) == 2
+    shapes = seen[0]
+    assert shapes["image"] == shapes["neg_image"] == (8, 3, 64, 64)
+    assert shapes["text"] == shapes["neg_image_text"] == (8, 77)
+    assert shapes["neg_text"] == shapes["neg_image_neg_text"] == (8, 1, 77)
+
+
+class RecordedLoss(torch.nn.Module):
+    """Stands in for ClipLoss: keeps what the method hands it, returns the real loss."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.loss, self.calls = loss, []
+
+    def forward(self, image, text, logit_scale, negatives=None):
+        self.calls.append((image.detach(), text.detach(), None if negatives is None else negatives.detach()))
+        return self.loss(image, text, logit_scale, negatives)
+
+
+def test_clip_ft_scores_2b_images_against_4b_texts_in_training_only(shapes_root, tmp_path):
+    cfg = tiny_config(shapes_root, tmp_path, *NEGCLIP_OVERRIDES[:3])
+    L.seed_everything(0)
+    module = build_module(cfg)
+    module.itc = RecordedLoss(module.itc)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(1, 400, (n, 77), generator=g)  # noqa: E731
+    batch = {"image": torch.randn(3, 3, 64, 64, generator=g), "neg_image": torch.randn(3, 3, 64, 64, generator=g),
+             "text": ids(3), "neg_image_text": ids(3), "neg_text": ids(3)[:, None],
+             "neg_image_neg_text": ids(3)[:, None]}
+    with torch.no_grad():
+        encode_image = lambda x: torch.nn.functional.normalize(module.clip.encode_image(x), dim=-1)  # noqa: E731
+        encode_text = lambda x: torch.nn.functional.normalize(module.clip.encode_text(x), dim=-1)  # noqa: E731
+        module.train()
+        module.compute_terms(batch)
+        image, text, negatives = module.itc.calls[-1]
+        assert image.shape[0] == 6 and text.shape[0] == 6 and negatives.shape[:2] == (6, 1)  # 2B + 2B + 2B
+        assert scaled_close(image, encode_image(torch.cat([batch["image"], batch["neg_image"]])), 1e-5)
+        assert scaled_close(text, encode_text(torch.cat([batch["text"], batch["neg_image_text"]])), 1e-5)
+        hard = torch.cat([batch["neg_text"], batch["neg_image_neg_text"]])[:, 0]
+        assert scaled_close(negatives[:, 0], encode_text(hard), 1e-5)
+        module.eval()  # validation: the plain loss of the samples themselves
+        module.compute_terms(batch)
+        image, text, negatives = module.itc.calls[-1]
+        assert image.shape[0] == text.shape[0] == 3 and negatives is None
+
+
+def test_hard_negative_images_are_refused_for_a_method_that_ignores_them(shapes_root, tmp_path):
+    from datamodules.inputs import InputError
+
+    with pytest.raises(InputError, match=r"data\.hard_negative_images=true: method smartclip .*clip_ft"):
+        run(tiny_config(shapes_root, tmp_path, "method.name=smartclip", "data.hard_negative_images=true"))
+    assert not (tmp_path / "demo_pretrain").exists()
+
+
+# ----- leakage: fit refuses to train on evaluation images ------------------------------------------------
+class Started(Exception):
+    """Raised in place of building the model: the start got past every check."""
+
+
+@pytest.fixture
+def leaky(tmp_path, monkeypatch):
+    """A COCO-format training set holding 3 images of the SugarCrepe stand-in scored during training; returns
+    (config overrides, the 3 shared ids). Building the model raises `Started`."""
+    from datamodules.benchmarks import build_benchmark
+    from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
+
+    write_sugarcrepe(tmp_path / "bench" / "sugarcrepe", n_items=14)
+    shared = sorted(build_benchmark("sugarcrepe", tmp_path / "bench" / "sugarcrepe").coco_image_ids())[:3]
+    ids = shared + [7, 8]
+    (tmp_path / "data" / "images").mkdir(parents=True)
+    (tmp_path / "data" / "train.json").write_text(json.dumps({
+        "images": [{"id": i, "file_name": f"{i:012d}.jpg"} for i in ids],
+        "annotations": [{"id": n, "image_id": i, "caption": "a photo"} for n, i in enumerate(ids)]}))
+
+    def started(cfg):
+        raise Started()
+
+    monkeypatch.setattr("lightning_modules.fit.build_module", started)
+    overrides = [f"data.root={tmp_path / 'data'}", "data.train_annotations=train.json", "data.train_images=images",
+                 "data.val_annotations=null", "evaluation.benchmarks=[sugarcrepe]", "evaluation.every_n_steps=2",
+                 f"evaluation.data_root={tmp_path / 'bench'}", f"runs_root={tmp_path / 'runs'}"]
+    return overrides, shared
+
+
+def leaky_config(overrides, *extra):
+    return load_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [*overrides, "data.masks=false", *extra])
+
+
+def test_overlap_with_evaluation_benchmarks_refuses_to_start_naming_count_and_option(leaky, tmp_path):
+    from lightning_modules.leakage import TrainingOverlapError
+
+    overrides, _ = leaky
+    with pytest.raises(TrainingOverlapError, match=r"^3 training images \(data\.train_annotations=train\.json\) are "
+                       r"images of the evaluation benchmarks \(sugarcrepe: 3 of its \d+ COCO images\).*"
+                       r"evaluation\.allow_train_overlap=true"):
+        run(leaky_config(overrides))
+    assert not (tmp_path / "runs").exists()  # refused before the run directory or the model
+
+
+def test_the_refusal_on_the_command_line(leaky, tmp_path):
+    from lightning_modules.fit import main
+
+    overrides, _ = leaky
+    with pytest.raises(SystemExit, match=r"^refused: 3 training images .*allow_train_overlap"):
+        main(["--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), *overrides, "data.masks=false"])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_allow_train_overlap_starts_and_logs_the_overlap(leaky, caplog):
+    overrides, _ = leaky
+    with pytest.raises(Started), caplog.at_level("WARNING", logger="lightning_modules.leakage"):
+        run(leaky_config(overrides, "evaluation.allow_train_overlap=true"))
+    assert any("3 training images" in record.getMessage() for record in caplog.records)
+
+
+def test_a_training_set_without_evaluation_images_starts(leaky, tmp_path):
+    overrides, shared = leaky
+    exclusions = tmp_path / "eval_ids.json"
+    exclusions.write_text(json.dumps(shared))
+    with pytest.raises(Started):  # data.exclude_image_ids removes them: no overlap
+        run(leaky_config(overrides, f"data.exclude_image_ids={exclusions}"))
+    with pytest.raises(Started):  # the benchmark is not scored during training: nothing to check
+        run(leaky_config(overrides, "evaluation.every_n_steps=0"))

@@ -230,3 +230,95 @@ def test_cae_batch_hinge_on_two_gloo_processes_equals_the_global_batch(tmp_path)
     local = [cae_loss_and_grads(slice(rank * BATCH, (rank + 1) * BATCH))[1] for rank in range(WORLD)]
     averaged = {name: sum(grads[name] for grads in local) / WORLD for name in expected_grads}
     assert not scaled_close(averaged["score.weight"], expected_grads["score.weight"], 1e-2)
+
+
+# ----- NegCLIP with hard-negative images (2B images, 4B texts) -------------------------------------------
+def reference_negclip_loss(images, neg_images, texts, neg_image_texts, hard, neg_image_hard, scale):
+    """NegCLIP's training loss written out as its code computes it: images [I; I_n] (2B) against texts
+    [T; T_n; H; H_n] (4B); image-to-text over all 4B columns, text-to-image only for the first 2B texts
+    (`logits_per_text[:len(logits_per_image)]`) over the 2B images; labels arange(2B)."""
+    all_images = torch.cat([images, neg_images])
+    all_texts = torch.cat([texts, neg_image_texts, hard, neg_image_hard])
+    rows = all_images.shape[0]
+    i2t, t2i = 0.0, 0.0
+    for i in range(rows):
+        scores = torch.stack([scale * all_images[i].dot(t) for t in all_texts])
+        i2t = i2t - (scores[i] - torch.logsumexp(scores, 0))
+        scores = torch.stack([scale * all_texts[i].dot(image) for image in all_images])
+        t2i = t2i - (scores[i] - torch.logsumexp(scores, 0))
+    return (i2t / rows + t2i / rows) / 2
+
+
+def negclip_features(batch: int, seed: int):
+    """Hand-made unit features: I, I_n, T, T_n, H, H_n, each [batch, DIM], float64."""
+    return [unit(batch, DIM, seed=seed + k) for k in range(6)]
+
+
+def test_negclip_batch_matches_the_official_loss():
+    images, neg_images, texts, neg_image_texts, hard, neg_image_hard = negclip_features(BATCH, seed=10)
+    scale = torch.tensor(9.0, dtype=torch.float64)
+    loss = ClipLoss()(torch.cat([images, neg_images]), torch.cat([texts, neg_image_texts]), scale,
+                      torch.cat([hard, neg_image_hard]).unsqueeze(1))
+    expected = reference_negclip_loss(images, neg_images, texts, neg_image_texts, hard, neg_image_hard, scale)
+    # float32 inside ClipLoss: logsumexp over 16 logits of size <= 9, ~1e-7 relative rounding
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    # The hard captions are columns only: as rows they would change the text-to-image term.
+    as_rows = ClipLoss()(torch.cat([images, neg_images, images, neg_images]),
+                         torch.cat([texts, neg_image_texts, hard, neg_image_hard]), scale)
+    assert abs(as_rows.item() - expected.item()) > 1e-2
+
+
+class NegClipTowers(TwoTowers):
+    def forward(self, x, loss_fn):
+        """x: image inputs of the samples and of their neighbours, then texts, neighbour texts, hard captions,
+        neighbour hard captions, each [B, ...]; the loss of the 2B images against 4B texts."""
+        image = lambda a: F.normalize(self.image(a), dim=-1)  # noqa: E731
+        text = lambda a: F.normalize(self.text(a), dim=-1)  # noqa: E731
+        x_image, x_neg_image, x_text, x_neg_text, x_hard, x_neg_hard = x
+        negatives = text(torch.cat([x_hard, x_neg_hard])).unsqueeze(1)
+        return loss_fn(image(torch.cat([x_image, x_neg_image])), text(torch.cat([x_text, x_neg_text])),
+                       self.logit_scale.exp(), negatives)
+
+
+def negclip_loss_and_grads(rank_slice):
+    model = NegClipTowers()
+    g = torch.Generator().manual_seed(321)
+    n = BATCH * WORLD
+    x = [torch.randn(n, 8, generator=g) for _ in range(2)] + [torch.randn(n, 5, generator=g) for _ in range(4)]
+    if rank_slice is not None:
+        x = [part[rank_slice] for part in x]
+    loss = model(x, ClipLoss(local_loss=True, gather_with_grad=True))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model, x
+
+
+def _negclip_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        loss, grads, _, _ = negclip_loss_and_grads(slice(rank * BATCH, (rank + 1) * BATCH))
+        dist.all_reduce(loss)
+        for grad in grads.values():
+            dist.all_reduce(grad)
+            grad /= WORLD
+        torch.save({"loss": loss / WORLD, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_negclip_on_two_gloo_processes_is_the_official_loss_of_the_global_batch(tmp_path):
+    """Each rank holds B samples and their B neighbours; the mean over ranks (and DDP's mean gradient) equals
+    NegCLIP's loss over the global 2BW images and 4BW texts in one process."""
+    mp.start_processes(_negclip_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn")
+    expected_loss, expected_grads, model, x = negclip_loss_and_grads(None)
+    with torch.no_grad():  # the one-process loss is NegCLIP's, by the slow reference
+        image = lambda a: F.normalize(model.image(a), dim=-1).double()  # noqa: E731
+        text = lambda a: F.normalize(model.text(a), dim=-1).double()  # noqa: E731
+        reference = reference_negclip_loss(image(x[0]), image(x[1]), *(text(part) for part in x[2:]),
+                                           model.logit_scale.exp().double())
+    assert expected_loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert scaled_close(result["loss"], expected_loss, 1e-5)
+        for name, grad in expected_grads.items():
+            assert scaled_close(result["grads"][name], grad, 1e-5), name
