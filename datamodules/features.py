@@ -319,7 +319,8 @@ def encode_texts(backbone: FrozenBackbone, ids: Tensor) -> Tuple[Tensor, Tensor,
 
 
 def negative_captions(records: Sequence[CaptionRecord], num_negatives: int, source: Path) -> List[str]:
-    """K negatives per caption, flat [N * K], each caption cycling its own list (as `CocoCaptions`)."""
+    """K negatives per caption, flat [N * K], each caption cycling its own list: a fixed choice, encoded once
+    (`CocoCaptions` draws them at random at every access, as NegCLIP does)."""
     chosen = [record.neg_captions[:num_negatives] for record in records]
     lacking = sum(1 for negatives in chosen if not negatives)
     if lacking:

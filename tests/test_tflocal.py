@@ -16,6 +16,7 @@ from tolerance import assert_scaled_close
 import lightning_modules
 import lightning_modules.fit as fit
 from datamodules import features
+from datamodules.annotations import read_annotation_file
 from datamodules.benchmarks import build_benchmark
 from datamodules.benchmarks.base import ImageRef
 from datamodules.benchmarks.images import load_image
@@ -194,6 +195,12 @@ def test_cached_features_equal_the_frozen_encoders_on_images(shapes_root, featur
     images = CocoCaptions(shapes_root / "annotations" / "captions_train.json", shapes_root / "images" / "train",
                           module.tokenizer, module.preprocess_val, num_hard_negatives=NEGATIVES)
     samples = [images[i] for i in range(len(images)) if images[i]["caption_id"] in cached]
+    # The cache encodes a fixed choice of negatives (each caption's first K, cycled); the dataset draws at random.
+    records = read_annotation_file(str(shapes_root / "annotations" / "captions_train.json"))
+    fixed = module.tokenizer(features.negative_captions(records, NEGATIVES, Path("captions_train.json")))
+    fixed = dict(zip((r.caption_id for r in records), fixed.view(len(records), NEGATIVES, -1)))
+    for sample in samples:
+        sample["neg_text"] = fixed[sample["caption_id"]]
     direct = module.encode_batch(torch.utils.data.default_collate(samples))
     for row, sample in enumerate(samples):
         stored = cached[sample["caption_id"]]
