@@ -1,0 +1,122 @@
+"""Statistics of a controlled study, plain numpy: intervals over seeds and paired bootstrap differences.
+
+A study scores every run (one method, condition and seed) on the same items. Two questions follow:
+- how well does a method do: the mean over its seeds with a Student-t 95% interval of that mean
+  (`seed_interval`; with 3 seeds the interval is wide, which is the honest answer);
+- does it beat the reference method (CLIP-FT) in the same condition: the difference of means with a paired
+  bootstrap interval (`paired_bootstrap`) that resamples items and seeds together, so both the test-set
+  sampling and the training noise of the seeds enter the interval. Items are paired (the same item for both
+  methods); seeds are paired by index (seed i of both methods started from the same data order).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+DEFAULT_LEVEL = 0.95
+DEFAULT_RESAMPLES = 10_000
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An estimate with its confidence interval."""
+
+    estimate: float
+    low: float
+    high: float
+
+    def as_dict(self, prefix: str = "") -> dict:
+        return {f"{prefix}mean": self.estimate, f"{prefix}low": self.low, f"{prefix}high": self.high}
+
+
+def _student_t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with `df` degrees of freedom, by the regularised incomplete beta function."""
+    x = df / (df + t * t)
+    tail = 0.5 * _regularised_beta(df / 2, 0.5, x)
+    return 1.0 - tail if t > 0 else tail
+
+
+def _regularised_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b) by its continued fraction (Lentz's method), the standard numerical route."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below this point: use the symmetry
+        return 1.0 - _regularised_beta(b, a, 1.0 - x)
+    front = math.exp(a * math.log(x) + b * math.log(1 - x) - math.log(a) - _log_beta(a, b))
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * result
+
+
+def _log_beta(a: float, b: float) -> float:
+    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+
+
+def student_t_quantile(probability: float, df: int) -> float:
+    """The `probability` quantile of Student's t with `df` degrees of freedom (bisection on the CDF)."""
+    if not 0.0 < probability < 1.0 or df < 1:
+        raise ValueError(f"need 0 < probability < 1 and df >= 1, got {probability}, {df}")
+    low, high = -1e4, 1e4
+    for _ in range(200):
+        middle = (low + high) / 2
+        if _student_t_cdf(middle, df) < probability:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def seed_interval(values: Sequence[float], level: float = DEFAULT_LEVEL) -> Interval:
+    """Mean over seeds with the Student-t interval of the mean (a single seed gives no interval: NaN bounds)."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        raise ValueError("no values to summarise")
+    mean = float(values.mean())
+    if values.size < 2:
+        return Interval(mean, math.nan, math.nan)
+    half = student_t_quantile(0.5 + level / 2, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size)
+    return Interval(mean, mean - half, mean + half)
+
+
+def paired_bootstrap(method: np.ndarray, reference: np.ndarray, resamples: int = DEFAULT_RESAMPLES,
+                     level: float = DEFAULT_LEVEL, seed: int = 0) -> Interval:
+    """Difference of means (method - reference) with a paired bootstrap interval over items x seeds.
+
+    Args:
+        method, reference: per-item outcomes [seeds, items] (0/1 or scores) on the same items, seeds paired by
+            row. Each resample draws seeds (rows) with replacement and, independently, items (columns) with
+            replacement, and applies the same draw to both methods.
+        resamples: bootstrap resamples. level: coverage of the percentile interval.
+        seed: the bootstrap's own random seed (the report is reproducible).
+    """
+    method, reference = np.asarray(method, np.float64), np.asarray(reference, np.float64)
+    if method.shape != reference.shape or method.ndim != 2 or method.size == 0:
+        raise ValueError(f"need two [seeds, items] arrays of one shape, got {method.shape} and {reference.shape}")
+    difference = method - reference
+    rng = np.random.default_rng(seed)
+    seeds, items = difference.shape
+    draws = np.empty(resamples)
+    for index in range(resamples):
+        rows = rng.integers(seeds, size=seeds)
+        columns = rng.integers(items, size=items)
+        draws[index] = difference[np.ix_(rows, columns)].mean()
+    tail = (1 - level) / 2
+    low, high = np.quantile(draws, [tail, 1 - tail])
+    return Interval(float(difference.mean()), float(low), float(high))
