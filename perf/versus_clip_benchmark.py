@@ -106,11 +106,10 @@ def clip_benchmark_loaders(cb: SimpleNamespace, root: Path, transform: Callable,
 
 
 def clip_benchmark_run(cb: SimpleNamespace, root: Path, scorer: ClipScorer, batch_size: int, num_workers: int,
-                       amp: bool, model: Optional[nn.Module] = None) -> Dict[str, Dict[str, float]]:
-    """What `clip_benchmark eval --dataset sugar_crepe --task image_caption_selection` computes, per subset
-    (`model` replaces the scorer's model, e.g. by a `RecordingModel` around it)."""
-    model = scorer.model if model is None else model
-    return {subset: cb.evaluate(model, loader, scorer.tokenizer, device=scorer.device.type, amp=amp)
+                       amp: bool) -> Dict[str, Dict[str, float]]:
+    """What `clip_benchmark eval --dataset sugar_crepe --task image_caption_selection` computes, per subset, with
+    the scorer's model, transform and tokenizer."""
+    return {subset: cb.evaluate(scorer.model, loader, scorer.tokenizer, device=scorer.device.type, amp=amp)
             for subset, loader in clip_benchmark_loaders(cb, root, scorer.preprocess, batch_size, num_workers)}
 
 

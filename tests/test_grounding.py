@@ -534,3 +534,16 @@ def test_joint_settings_differ_only_in_the_prompt(grounder, bert_dir):
         {k: v for k, v in per_phrase.items() if k != "prompt"}
     with pytest.raises(ValueError, match="prompt"):
         groundingdino(bert_dir, prompt="together")
+
+
+def test_grounding_prompt_is_a_config_choice_that_reaches_the_grounder():
+    from datamodules.preprocess import grounder_options
+    from lightning_modules.config import REPO_ROOT, ConfigError, load_config
+
+    macco = REPO_ROOT / "configs" / "macco.yaml"
+    assert load_config([macco]).preprocess.grounding_prompt == "per_phrase"  # the paper recipe
+    cfg = load_config([macco], ["preprocess.grounding_prompt=joint"])
+    name, options = grounder_options(cfg.data, cfg.preprocess)
+    assert name == "groundingdino" and options["prompt"] == "joint"
+    with pytest.raises(ConfigError, match="grounding_prompt"):
+        load_config([macco], ["preprocess.grounding_prompt=together"])
