@@ -7,8 +7,9 @@ once per run, in batches, and keeps the embeddings, so a benchmark that reuses a
 
 Text cost [ours, exact up to float rounding]: for a CLIP text tower (causal attention, EOS pooling) `ClipScorer`
 sorts the texts by token count and runs each batch only up to its longest text's EOS: the positions after it
-cannot reach the EOS output through causal attention, and COCO captions use ~15 of the 77 positions. On
-SugarCrepe that cuts the text encodes, which outnumber the images 7.6 to 1, by about 4x.
+cannot reach the EOS output through causal attention. SugarCrepe's 11,844 distinct texts (7.6 per distinct
+image) have 14.7 tokens on average (EOS included), and sorted batches of 128 run 14.9 positions on average
+instead of 77.
 """
 from __future__ import annotations
 

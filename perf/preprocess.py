@@ -15,10 +15,10 @@ Prompt modes (`--grounding modes`, part of the default `all`): GroundingDINO's `
 on `--mode-images` generated images, each with the distinct phrases our parser finds in five real COCO captions
 of one image (SugarCrepe's positive captions are COCO val2017's own; the images with at least five), one image
 per forward pass, the modes alternating image by image; images/s, forwards per image and seconds per forward of
-each. Then the FLOPs of one forward of each mode at 800 px (torch's FlopCounterMode: matmuls and convolutions; the PyTorch fallback of
-deformable attention is not counted) and, from them, an ESTIMATE of the GPU-hours for COCO train2017 (118,287
-images x 5 captions) at an assumed sustained `--gpu-tflops`: compute-bound, no data loading, no Python
-overhead. Not a GPU measurement.
+each. Then the FLOPs of one forward of each mode at 800 px (torch's FlopCounterMode: matmuls and convolutions;
+the PyTorch fallback of deformable attention is not counted) and, from them, an ESTIMATE of the GPU-hours for
+COCO train2017 (118,287 images x 5 captions) at an assumed sustained `--gpu-tflops`: compute-bound, no data
+loading, no Python overhead. Not a GPU measurement.
 
 A benchmark, not a test: it asserts nothing and writes JSON to `--out`.
 """

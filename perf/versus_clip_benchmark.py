@@ -208,8 +208,8 @@ def format_report(standin: Dict[str, object], report: Dict[str, object], setting
         f"| ours (`run_benchmark`, `ClipScorer`) | {report['ours_items_per_s']:.2f} | "
         + ", ".join(f"{s:.1f}" for s in report["ours_seconds"]) + " |",
         f"| clip_benchmark {report['clip_benchmark_version']} (`image_caption_selection.evaluate`) | "
-        f"{report['clip_benchmark_items_per_s']:.2f} | " + ", ".join(f"{s:.1f}" for s in report["clip_benchmark_seconds"])
-        + " |",
+        f"{report['clip_benchmark_items_per_s']:.2f} | "
+        + ", ".join(f"{s:.1f}" for s in report["clip_benchmark_seconds"]) + " |",
         "",
         f"speed-up (median seconds, theirs / ours): {report['speedup']:.2f}x",
         f"agreement: max |cosine difference| {agree['max_abs_cosine_difference']:.2e}, outcome mismatches "

@@ -442,7 +442,8 @@ def test_joint_prompts_pack_distinct_phrases_under_the_token_limit():
     assert [p.phrases for p in prompts] == [[0, 1], [4], [6]]
     assert representative == [0, 1, 0, None, 4, 1, 6]  # repeats point at their first occurrence, "" at nothing
     for prompt in prompts:
-        assert [prompt.text[s:e] for s, e in prompt.char_spans] == [phrase_prompt(phrases[i])[:-2] for i in prompt.phrases]
+        expected = [phrase_prompt(phrases[i])[:-2] for i in prompt.phrases]
+        assert [prompt.text[s:e] for s, e in prompt.char_spans] == expected
         assert sum(words(prompt.text[s:e]) + 1 for s, e in prompt.char_spans) <= 10
     # a phrase longer than a whole caption gets one of its own (GroundingDINO truncates it, as alone)
     long = " ".join(["dog"] * 20)

@@ -212,7 +212,8 @@ def test_trimmed_text_tower_equals_open_clip_on_mixed_lengths():
     torch.testing.assert_close(trimmed, full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
     untrimmed = ClipScorer(scorer.model, scorer.tokenizer, scorer.preprocess, batch_size=2, trim_text=False)
     assert untrimmed.trimmed_text is None
-    torch.testing.assert_close(untrimmed.embed_texts(texts, False), full, rtol=1e-6, atol=1e-6 * full.abs().max().item())
+    torch.testing.assert_close(untrimmed.embed_texts(texts, False), full, rtol=1e-6,
+                               atol=1e-6 * full.abs().max().item())
 
 
 def test_text_towers_that_are_not_clips_are_not_trimmed():
