@@ -87,7 +87,7 @@ def grounder_options(data, prep) -> Tuple[str, dict]:
             text_encoder=prep.text_encoder, box_threshold=prep.box_threshold,
             text_threshold=prep.text_threshold, image_size=prep.grounding_image_size,
             batch_size=prep.grounding_batch_size, device=_device(prep.device),
-            allow_random_weights=prep.allow_random_detector)
+            allow_random_weights=prep.allow_random_detector, prompt=prep.grounding_prompt)
     if prep.grounder == "annotations":
         instances = str(Path(data.root) / prep.instances) if prep.instances else None
         return "annotations", dict(instances_json=instances)

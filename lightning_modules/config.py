@@ -197,6 +197,10 @@ class PreprocessConfig:
     text_threshold: float = 0.25
     grounding_image_size: int = 800
     grounding_batch_size: int = 4
+    # per_phrase: one GroundingDINO prompt per (image, phrase) (MACCO's description: the prompt is the phrase).
+    # joint [ours]: all distinct phrases of an image in one " . "-separated prompt (several past 256 tokens),
+    # each phrase taking the boxes whose label tokens fall in its span: one forward per image, other boxes.
+    grounding_prompt: str = "per_phrase"
     device: str = "auto"
     # Grounder "annotations": ground-truth phrase boxes (shapes world scene graphs), relative to data.root.
     train_scene_graphs: Optional[str] = None
@@ -325,6 +329,7 @@ _CHOICES = {
     "optim.logit_scale_group": ("backbone", "head"),
     "checkpoint.mode": ("min", "max"),
     "preprocess.grounder": ("groundingdino", "annotations", "none"),
+    "preprocess.grounding_prompt": ("per_phrase", "joint"),
     "method.attribution.name": ("attention", "gradcam", "perturbation", "gradient", "grad_eclip"),
     "method.attribution.head_reduce": ("mean", "max"),
     "method.attribution.heads": ("multi", "single"),

@@ -4,6 +4,12 @@
 once per run, in batches, and keeps the embeddings, so a benchmark that reuses an image across many items
 (COCO-Order: 5 captions per image; SugarCrepe: up to 7 subsets per image) pays for it once. Other scorers
 (structure-guided inference, the TFLocal aligner) implement `score`, and `prepare` when they can precompute.
+
+Text cost [ours, exact up to float rounding]: for a CLIP text tower (causal attention, EOS pooling) `ClipScorer`
+sorts the texts by token count and runs each batch only up to its longest text's EOS: the positions after it
+cannot reach the EOS output through causal attention. SugarCrepe's 11,844 distinct texts (7.6 per distinct
+image) have 14.7 tokens on average (EOS included), and sorted batches of 128 run 14.9 positions on average
+instead of 77.
 """
 from __future__ import annotations
 
@@ -178,17 +184,20 @@ class ClipScorer(EmbeddingScorer):
         tokenizer: open_clip tokenizer (truncates to the context length, so over-long texts are cut, not
             rejected, as the published numbers were computed).
         preprocess: the validation image transform.
+        trim_text: run the text tower only up to each batch's last EOS, batches of texts sorted by length
+            (exact for a causal, EOS-pooled CLIP text tower; ignored for any other text tower).
         precision: "fp32" (default; the published open_clip numbers), "bf16" or "fp16" autocast.
         num_workers: image-decoding processes.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Callable, preprocess: Callable, device: str = "cpu",
                  precision: str = "fp32", batch_size: int = 256, num_workers: int = 0,
-                 metadata: Optional[Dict[str, object]] = None):
+                 metadata: Optional[Dict[str, object]] = None, trim_text: bool = True):
         super().__init__(batch_size)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
         self.model = model.eval()
+        self.trimmed_text = _trimmable_text_tower(model) if trim_text else None
         self.tokenizer, self.preprocess = tokenizer, preprocess
         self.device, self.precision, self.num_workers = torch.device(device), precision, num_workers
         self.metadata = dict(metadata or {})
@@ -234,6 +243,24 @@ class ClipScorer(EmbeddingScorer):
 
     @torch.no_grad()
     def embed_texts(self, texts: Sequence[str], progress: bool) -> Tensor:
+        if self.trimmed_text is None:
+            return self._embed_texts_full(texts, progress)
+        tokens = self.tokenizer(list(texts))
+        lengths = tokens.argmax(dim=-1) + 1  # the EOS (CLIP's largest token id) and what precedes it
+        order = torch.argsort(lengths, stable=True)
+        embeddings: Optional[Tensor] = None
+        starts = range(0, len(texts), self.batch_size)
+        for start in tqdm(starts, desc="texts", unit="batch", disable=not progress):
+            rows = order[start:start + self.batch_size]
+            batch = tokens[rows, : int(lengths[rows].max())].to(self.device)
+            with self._autocast():
+                pooled = self.trimmed_text.encode_text(batch).pooled.float().cpu()
+            if embeddings is None:
+                embeddings = pooled.new_empty(len(texts), pooled.shape[-1])
+            embeddings[rows] = pooled
+        return embeddings
+
+    def _embed_texts_full(self, texts: Sequence[str], progress: bool) -> Tensor:
         chunks = []
         starts = range(0, len(texts), self.batch_size)
         for start in tqdm(starts, desc="texts", unit="batch", disable=not progress):
@@ -241,6 +268,20 @@ class ClipScorer(EmbeddingScorer):
             with self._autocast():
                 chunks.append(self.model.encode_text(tokens).float().cpu())
         return torch.cat(chunks)
+
+
+def _trimmable_text_tower(model: nn.Module):
+    """`CLIPEncoders` of `model` when its text tower may be cut after the EOS (an open_clip CLIP with a causal
+    mask and argmax pooling: the EOS is the largest token id), else None."""
+    from lightning_modules.encoders import CLIPEncoders
+
+    causal = getattr(model, "attn_mask", None) is not None and getattr(model, "text_pool_type", None) == "argmax"
+    if not (causal and hasattr(model, "token_embedding")):
+        return None
+    try:
+        return CLIPEncoders(model)
+    except ValueError:  # a vision tower CLIPEncoders does not take (it is not used here, but it refuses)
+        return None
 
 
 def _uses_quickgelu(model: nn.Module) -> bool:

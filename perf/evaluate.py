@@ -9,6 +9,10 @@ each item benchmark are also scored by SGI with each of those crop sets, alterna
 the same model (each scorer fresh, caption parsing included), and the seconds per item of each, their ratio and
 the image encodes per image are printed. Random weights: throughput does not depend on them. A benchmark, not a
 test.
+
+With `--clip-benchmark`, only SugarCrepe is measured, against LAION's clip_benchmark (installed for that run
+only; the command says how when it is absent) on one stand-in, same model and machine, in interleaved rounds,
+after checking that both compute the same cosines: see `perf.versus_clip_benchmark`.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ from lightning_modules.evaluation import run_benchmark
 from lightning_modules.scorers import ClipScorer, Scorer
 from lightning_modules.sgi import CROP_SETS, SGIScorer, crops_per_image, parse_grids
 from parsers.scene_graph import SceneGraphParser
+from perf import versus_clip_benchmark
+from perf.versus_clip_benchmark import SHARED_SUGARCREPE
 
 DEFAULT_ROOT = Path("runs/perf_evaluate")
 
@@ -47,8 +53,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
-    parser.add_argument("--out", type=Path, default=Path("runs/perf_evaluate.json"))
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, help="JSON report (default runs/perf_evaluate.json, or "
+                                                  "runs/perf_evaluate_clip_benchmark.json with --clip-benchmark)")
+    versus = parser.add_argument_group("--clip-benchmark: SugarCrepe, ours against LAION's clip_benchmark")
+    versus.add_argument("--clip-benchmark", action="store_true", help="run the comparison (and nothing else)")
+    versus.add_argument("--cb-images", type=int, default=40,
+                        help="distinct images of the stand-in; every SugarCrepe item of each is kept (~4.8 per image)")
+    versus.add_argument("--annotations", type=Path, default=SHARED_SUGARCREPE,
+                        help="folder of the 7 official SugarCrepe JSON files (absent: generated captions)")
+    versus.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="ours: ClipScorer precision; clip_benchmark: autocast on unless fp32 (its --no_amp)")
+    versus.add_argument("--device", default="cpu")
+    versus.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = Path("runs/perf_evaluate_clip_benchmark.json" if args.clip_benchmark else "runs/perf_evaluate.json")
+    return args
 
 
 class PerItemScorer(Scorer):
@@ -162,6 +182,8 @@ def format_sgi_table(rows: Dict[str, Dict[str, float]], crop_sets: Sequence[str]
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, float]]:
     args = parse_args(argv)
+    if args.clip_benchmark:
+        return versus_clip_benchmark.main(args)
     args.sgi_sets = [n.strip() for n in args.sgi.split(",") if n.strip()]
     for crop_set in args.sgi_sets:
         parse_grids(crop_set)  # a bad name fails before any work

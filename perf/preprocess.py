@@ -11,6 +11,15 @@ four phrases), for 1 and 4 phrases per image and 1 and 4 images per forward pass
 dimensions, so the same cost) saved to a temporary directory, and GroundingDINO has random weights: the
 boxes are meaningless, the time is not. `--text-encoder` and `--checkpoint` use real ones.
 
+Prompt modes (`--grounding modes`, part of the default `all`): GroundingDINO's `per_phrase` and `joint` prompts
+on `--mode-images` generated images, each with the distinct phrases our parser finds in five real COCO captions
+of one image (SugarCrepe's positive captions are COCO val2017's own; the images with at least five), one image
+per forward pass, the modes alternating image by image; images/s, forwards per image and seconds per forward of
+each. Then the FLOPs of one forward of each mode at 800 px (torch's FlopCounterMode: matmuls and convolutions;
+the PyTorch fallback of deformable attention is not counted) and, from them, an ESTIMATE of the GPU-hours for
+COCO train2017 (118,287 images x 5 captions) at an assumed sustained `--gpu-tflops`: compute-bound, no data
+loading, no Python overhead. Not a GPU measurement.
+
 A benchmark, not a test: it asserts nothing and writes JSON to `--out`.
 """
 from __future__ import annotations
@@ -32,6 +41,13 @@ from parsers.scene_graph import DEFAULT_MODEL, SceneGraphParser
 # Nothing here imports numpy or torch at module level: `pin_to_one_core` must cap their thread pools first.
 
 NEGCLIP_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
+SUGARCREPE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
+CAPTIONS_PER_IMAGE = 5  # COCO's captions per image
+COCO_TRAIN2017_IMAGES = 118_287
+FLOPS_IMAGE_SIZE = 800  # the preprocessing default (preprocess.grounding_image_size)
+# Assumed sustained fp32 rate of one data-centre GPU for the estimate (about 75% of an A100's 19.5 TFLOP/s fp32
+# peak, 22% of an H100 SXM's 67): a stated assumption, to be replaced by `perf.gpu` measurements.
+DEFAULT_GPU_TFLOPS = 15.0
 GROUNDING_IMAGE_SIZE = 512
 IMAGE_WIDTH, IMAGE_HEIGHT = 640, 480
 PHRASES_PER_IMAGE = (1, 4)
@@ -53,6 +69,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--text-encoder", type=Path, help="local BERT directory (default: a random BERT-base)")
     parser.add_argument("--checkpoint", type=Path, help="GroundingDINO checkpoint (default: random weights)")
     parser.add_argument("--device", default="cpu", help="GroundingDINO device: cpu or cuda")
+    parser.add_argument("--grounding", default="all", choices=("all", "grid", "modes"),
+                        help="grid: phrases per image x images per forward; modes: per_phrase vs joint prompts")
+    parser.add_argument("--caption-groups", type=Path, default=SUGARCREPE_DIR,
+                        help="SugarCrepe annotation folder: real COCO captions grouped by image (prompt modes)")
+    parser.add_argument("--mode-images", type=int, default=2, help="images in the prompt-mode comparison")
+    parser.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
+                        help="ASSUMED sustained GPU TFLOP/s for the COCO train2017 GPU-hour estimate")
     parser.add_argument("--out", type=Path, default=Path("runs/perf_preprocess.json"))
     args = parser.parse_args(argv)
     if args.checkpoint and not args.text_encoder:
@@ -252,6 +275,147 @@ def grounding_report(args: argparse.Namespace, captions: Sequence[str], cores: O
             "captions": [caption for caption, _ in samples], "phrases": phrases, **result}
 
 
+def coco_caption_groups(directory: Path, per_image: int = CAPTIONS_PER_IMAGE) -> List[List[str]]:
+    """Real COCO val2017 captions grouped by image: SugarCrepe's positive captions (COCO's own), for the images
+    with at least `per_image` distinct ones, the first `per_image` of each in sorted order."""
+    by_image: Dict[str, Set[str]] = {}
+    for path in sorted(Path(directory).glob("*.json")):
+        for entry in json.loads(path.read_text()).values():
+            by_image.setdefault(entry["filename"], set()).add(entry["caption"].strip())
+    return [sorted(captions)[:per_image] for _, captions in sorted(by_image.items()) if len(captions) >= per_image]
+
+
+def image_phrase_sets(groups: Sequence[Sequence[str]], model: str = DEFAULT_MODEL) -> List[List[str]]:
+    """Per image, the distinct phrase texts of its captions in first-seen order: what the preprocessing job
+    grounds per image (`datamodules.preprocess.grounding_requests`)."""
+    parser = SceneGraphParser(model=model)
+    graphs = iter(parser.parse([caption for group in groups for caption in group]))
+    sets = []
+    for group in groups:
+        phrases: List[str] = []
+        for _ in group:
+            phrases.extend(p.text for p in next(graphs).phrases if p.text not in phrases)
+        sets.append(phrases)
+    return sets
+
+
+def phrase_set_stats(phrase_sets: Sequence[List[str]], phrases_per_caption: float,
+                     token_count: Callable[[str], int]) -> Dict[str, float]:
+    """Forwards per image of each prompt mode: distinct phrases (per_phrase) and joint prompts (joint)."""
+    from parsers.grounding import joint_prompts
+
+    planned = [joint_prompts(phrases, token_count)[0] for phrases in phrase_sets]
+    tokens = [token_count(prompt.text) + 2 for prompts in planned for prompt in prompts]  # with [CLS], [SEP]
+    distinct = [len(phrases) for phrases in phrase_sets]
+    return {"images": len(phrase_sets), "phrases_per_caption": phrases_per_caption,
+            "distinct_phrases_per_image": statistics.mean(distinct), "max_distinct_phrases_per_image": max(distinct),
+            "joint_prompts_per_image": statistics.mean(len(prompts) for prompts in planned),
+            "joint_prompt_tokens_mean": statistics.mean(tokens), "joint_prompt_tokens_max": max(tokens)}
+
+
+def forwards_per_image(grounder, phrases: Sequence[str]) -> int:
+    """Rows of GroundingDINO's batch one image costs in the grounder's current prompt mode."""
+    from parsers.grounding import joint_prompts
+
+    if grounder.prompt == "per_phrase":
+        return len(phrases)
+    tokenizer = grounder.model.tokenizer
+    return len(joint_prompts(phrases, lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"]))[0])
+
+
+def benchmark_prompt_modes(grounder, images: Sequence[str], phrase_sets: Sequence[List[str]]) -> Dict[str, object]:
+    """Images/s of `per_phrase` and `joint` prompts, one image per forward pass, the modes alternating image by
+    image (so that a change of machine load hits both alike)."""
+    from parsers.grounding import GroundingRequest
+
+    modes = ("per_phrase", "joint")
+    grounder.batch_size = 1
+    seconds = {mode: 0.0 for mode in modes}
+    forwards = {mode: 0 for mode in modes}
+    for path, phrases in zip(images, phrase_sets):
+        request = GroundingRequest(path, list(phrases))
+        for mode in modes:
+            grounder.prompt = mode  # the same loaded model; ground() reads the mode per call
+            forwards[mode] += forwards_per_image(grounder, phrases)
+            seconds[mode] += timed(lambda: grounder.ground([request]))
+    grounder.prompt = "per_phrase"
+    runs = {mode: {"images": len(images), "forwards": forwards[mode], "seconds": seconds[mode],
+                   "images_per_s": len(images) / seconds[mode], "s_per_forward": seconds[mode] / forwards[mode]}
+            for mode in modes}
+    return {**runs, "speedup": seconds["per_phrase"] / seconds["joint"]}
+
+
+def forward_flops(grounder, image_path: str, prompts: Dict[str, str], image_size: int = FLOPS_IMAGE_SIZE
+                  ) -> Dict[str, float]:
+    """FLOPs of one GroundingDINO forward (one image, one prompt) per named prompt, at `image_size`."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from PIL import Image
+
+    from parsers.grounding import groundingdino_image_tensor
+
+    with Image.open(image_path) as image:
+        tensor = groundingdino_image_tensor(image.convert("RGB"), image_size, round(image_size * 1333 / 800))
+    flops = {}
+    for name, prompt in prompts.items():
+        with FlopCounterMode(display=False) as counter:
+            grounder._forward([tensor], [prompt])
+        flops[name] = float(counter.get_total_flops())
+    return flops
+
+
+def gpu_hours_estimate(images: int, forwards: Dict[str, float], flops: Dict[str, float],
+                       tflops: float) -> Dict[str, float]:
+    """ESTIMATED GPU-hours per prompt mode: images x forwards per image x FLOPs per forward / assumed rate."""
+    return {mode: images * forwards[mode] * flops[mode] / (tflops * 1e12) / 3600 for mode in forwards}
+
+
+def prompt_modes_report(args: argparse.Namespace, parsing: dict, directory: Path) -> dict:
+    """Real phrase sets, the timed modes, one forward's FLOPs per mode, and the COCO train2017 estimate."""
+    from parsers.grounding import GroundingRequest, build_grounder, joint_prompts, phrase_prompt
+
+    phrase_sets = image_phrase_sets(coco_caption_groups(args.caption_groups), args.model)
+    chosen = phrase_sets[: args.mode_images]
+    images = write_images(directory, len(chosen))
+    words = {word for p in phrase_sets for text in p for word in text.lower().split()}
+    text_encoder = str(args.text_encoder) if args.text_encoder else write_random_bert_base(
+        directory / "bert_modes", sorted(words))
+    grounder = build_grounder("groundingdino", checkpoint=str(args.checkpoint) if args.checkpoint else None,
+                              text_encoder=text_encoder, image_size=GROUNDING_IMAGE_SIZE, batch_size=1,
+                              device=args.device, allow_random_weights=args.checkpoint is None)
+    tokenizer = grounder.model.tokenizer
+    count = lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
+    stats = phrase_set_stats(phrase_sets, parsing["output"]["phrases_per_caption"], count)
+    grounder.ground([GroundingRequest(images[0], chosen[0][:1])])  # warm-up (the model is loaded above)
+    runs = benchmark_prompt_modes(grounder, images, chosen)
+    prompts = {"per_phrase": phrase_prompt(chosen[0][0]), "joint": joint_prompts(chosen[0], count)[0][0].text}
+    flops = forward_flops(grounder, images[0], prompts)
+    forwards = {"per_phrase": stats["distinct_phrases_per_image"], "joint": stats["joint_prompts_per_image"]}
+    hours = gpu_hours_estimate(COCO_TRAIN2017_IMAGES, forwards, flops, args.gpu_tflops)
+    return {"phrase_sets": stats, "cpu_image_size": GROUNDING_IMAGE_SIZE, "timed_phrases": chosen, "runs": runs,
+            "flops_image_size": FLOPS_IMAGE_SIZE, "flops_per_forward": flops, "flops_prompts": prompts,
+            "estimate": {"images": COCO_TRAIN2017_IMAGES, "captions_per_image": CAPTIONS_PER_IMAGE,
+                         "forwards_per_image": forwards, "assumed_gpu_tflops": args.gpu_tflops,
+                         "gpu_hours": hours}}
+
+
+def print_prompt_modes(report: dict) -> None:
+    stats, runs, estimate = report["phrase_sets"], report["runs"], report["estimate"]
+    print(f"prompt modes: {stats['phrases_per_caption']:.2f} phrases per caption; {stats['images']} images with "
+          f"{CAPTIONS_PER_IMAGE} real COCO captions: {stats['distinct_phrases_per_image']:.2f} distinct phrases per "
+          f"image (max {stats['max_distinct_phrases_per_image']}), {stats['joint_prompts_per_image']:.2f} joint "
+          f"prompts per image ({stats['joint_prompt_tokens_mean']:.0f} tokens on average, max "
+          f"{stats['joint_prompt_tokens_max']} of 256)")
+    for mode in ("per_phrase", "joint"):
+        run = runs[mode]
+        print(f"  {mode}: {run['images_per_s']:.3f} images/s at {report['cpu_image_size']} px, {run['forwards']} "
+              f"forwards for {run['images']} images, {run['s_per_forward']:.2f} s per forward; one forward at "
+              f"{report['flops_image_size']} px: {report['flops_per_forward'][mode] / 1e9:.0f} GFLOP")
+    print(f"  joint / per_phrase speed-up: {runs['speedup']:.2f}x")
+    print(f"  ESTIMATE (not a measurement), COCO train2017 ({estimate['images']} images x "
+          f"{estimate['captions_per_image']} captions) at an assumed {estimate['assumed_gpu_tflops']:.0f} TFLOP/s "
+          "sustained: " + ", ".join(f"{mode} {hours:.1f} GPU-hours" for mode, hours in estimate["gpu_hours"].items()))
+
+
 def print_parsing(parsing: dict) -> None:
     print(f"parsing: {parsing['captions_per_s']:.0f} captions/s on {parsing['captions']} captions "
           f"(spaCy alone {parsing['spacy_only_captions_per_s']:.0f}/s, rules "
@@ -276,9 +440,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     report = {"parse_only": args.parse_only, "core": core, "python": platform.python_version(),
               "parsing": benchmark_parsing(captions, args.model, args.batch_size, args.repeats)}
     print_parsing(report["parsing"])
-    if not args.parse_only:
+    if not args.parse_only and args.grounding in ("all", "grid"):
         report["grounding"] = grounding_report(args, captions, cores)
         print_grounding(report["grounding"])
+    if not args.parse_only and args.grounding in ("all", "modes"):
+        report["grounding_threads"] = use_cores(cores)
+        with tempfile.TemporaryDirectory(prefix="perf_preprocess_modes_") as tmp:
+            report["prompt_modes"] = prompt_modes_report(args, report["parsing"], Path(tmp))
+        print_prompt_modes(report["prompt_modes"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     return report

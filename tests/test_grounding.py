@@ -20,10 +20,13 @@ from parsers.grounding import (
     boxes_to_patch_mask,
     build_grounder,
     groundingdino_image_tensor,
+    joint_prompts,
     mention_boxes,
+    phrase_prompt,
     random_rectangle_mask,
     rectangle_shapes,
     select_boxes,
+    span_token_masks,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any accidental hub call fails fast
@@ -428,3 +431,120 @@ def test_random_rectangle_positions_are_uniform_and_seeded():
     assert np.array_equal(*first)
     draws = [random_rectangle_mask(np.random.default_rng(seed), 14) for seed in range(5)]
     assert len({d.tobytes() for d in draws}) > 1
+
+
+# ----- joint prompts: all phrases of an image in one caption ------------------------------------------
+def test_joint_prompts_pack_distinct_phrases_under_the_token_limit():
+    words = lambda text: len(text.split())  # noqa: E731  (the tests' vocabulary: one token per word)
+    phrases = ["Red car.", "dog", "red car", "", "a small cat on the grass", "dog", "man riding a horse"]
+    prompts, representative = joint_prompts(phrases, words, max_tokens=12)  # 10 tokens between [CLS] and [SEP]
+    assert [p.text for p in prompts] == ["red car . dog .", "a small cat on the grass .", "man riding a horse ."]
+    assert [p.phrases for p in prompts] == [[0, 1], [4], [6]]
+    assert representative == [0, 1, 0, None, 4, 1, 6]  # repeats point at their first occurrence, "" at nothing
+    for prompt in prompts:
+        expected = [phrase_prompt(phrases[i])[:-2] for i in prompt.phrases]
+        assert [prompt.text[s:e] for s, e in prompt.char_spans] == expected
+        assert sum(words(prompt.text[s:e]) + 1 for s, e in prompt.char_spans) <= 10
+    # a phrase longer than a whole caption gets one of its own (GroundingDINO truncates it, as alone)
+    long = " ".join(["dog"] * 20)
+    prompts, _ = joint_prompts(["cat", long, "car"], words, max_tokens=12)
+    assert [p.text for p in prompts] == ["cat .", f"{long} .", "car ."]
+
+
+# "red car . car . small cat . a dog on the grass ." in the tiny vocabulary, one token per word:
+# [CLS]=0 red=1 car=2 .=3 car=4 .=5 small=6 cat=7 .=8 a=9 dog=10 on=11 the=12 grass=13 .=14 [SEP]=15
+JOINT_PHRASES = ["red car", "car", "Red car", "small cat", "a dog on the grass"]
+JOINT_SPANS = {0: [1, 2], 1: [4], 3: [6, 7], 4: [9, 10, 11, 12, 13]}
+
+
+def test_span_token_masks_are_each_phrases_own_positions(grounder):
+    tokenizer = grounder.model.tokenizer
+    (prompt,), _ = joint_prompts(JOINT_PHRASES, lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"]))
+    assert prompt.text == "red car . car . small cat . a dog on the grass ."
+    masks = span_token_masks(tokenizer, prompt, grounder.model.specical_tokens, 256)
+    assert masks.shape == (4, 256)
+    for mask, phrase in zip(masks, prompt.phrases):
+        assert mask.nonzero().flatten().tolist() == JOINT_SPANS[phrase]
+
+
+def test_joint_prompt_gives_each_phrase_exactly_its_own_boxes(grounder, bert_dir, image_files, monkeypatch):
+    """Constructed logits (no detector run): each query fires on chosen token positions of the joint prompt."""
+    joint = groundingdino(bert_dir, batch_size=2, prompt="joint")
+    joint.__dict__["model"] = grounder.model  # the same (tokenizer, special tokens); _forward is replaced below
+    probs = torch.zeros(7, 256)
+    probs[0, [1, 2]] = 0.9             # "red car": only that phrase, though "car" shares its word
+    probs[1, 4] = 0.8                  # "car"
+    probs[2, 10], probs[2, 13] = 0.7, 0.3  # "a dog on the grass"
+    probs[3, 3] = 0.9                  # only the "." after "red car": a box about no phrase
+    probs[4, :16] = 0.3                # below box_threshold (0.35) everywhere: dropped
+    probs[5, 2], probs[5, 4] = 0.6, 0.5    # label tokens in two phrases: the box goes to both
+    probs[6, 5], probs[6, 7] = 0.5, 0.2    # kept (0.5 on a "."), but "cat" is below text_threshold (0.25)
+    boxes = torch.tensor([[0.1 * (q + 1), 0.5, 0.1, 0.2] for q in range(7)])
+    seen = []
+
+    def forward(tensors, prompts):
+        seen.append(list(prompts))
+        return probs.expand(len(prompts), -1, -1), boxes.expand(len(prompts), -1, -1)
+
+    monkeypatch.setattr(joint, "_forward", forward)
+    (result,) = joint.ground([GroundingRequest(image_files["wide"], JOINT_PHRASES)])
+    assert seen == [["red car . car . small cat . a dog on the grass ."]]  # one forward, one prompt
+    centres = [[round(box[0] + (box[2] - box[0]) / 2) for box in phrase_boxes] for phrase_boxes in result]
+    query = lambda q: round(0.1 * (q + 1) * 320)  # noqa: E731  (box centre x in the 320 px wide image)
+    assert centres == [[query(0), query(5)], [query(1), query(5)], [query(0), query(5)], [], [query(2)]]
+    assert [box[4] for box in result[0]] == pytest.approx([0.9, 0.6])  # predict's score: the best token
+    assert result[2] == result[0] and result[2] is not result[0]  # a repeated phrase: equal boxes, own list
+
+
+def test_joint_prompts_split_past_256_tokens(grounder, bert_dir, image_files, monkeypatch):
+    joint = groundingdino(bert_dir, batch_size=2, prompt="joint")
+    joint.__dict__["model"] = grounder.model
+    phrases = [f"{w} {v} {u}" for w in ("red", "small") for v in ("car", "dog", "cat", "man", "horse")
+               for u in ("on", "a", "the", "grass", "riding", "car", "dog", "cat", "man", "horse")]
+    phrases += [f"the {p}" for p in phrases[:40]]  # 100 + 40 distinct phrases: 4-5 tokens each, ~600 in all
+    seen = []
+
+    def forward(tensors, prompts):
+        seen.extend(prompts)
+        return torch.zeros(len(prompts), 900, 256), torch.full((len(prompts), 900, 4), 0.5)
+
+    monkeypatch.setattr(joint, "_forward", forward)
+    joint.ground([GroundingRequest(image_files["wide"], phrases)])
+    tokenizer = grounder.model.tokenizer
+    assert len(seen) >= 3
+    assert all(len(tokenizer(prompt)["input_ids"]) <= 256 for prompt in seen)
+    assert [p for prompt in seen for p in prompt[:-2].split(" . ")] == phrases  # each phrase once, in order
+
+
+def test_joint_equals_per_phrase_for_a_single_phrase(grounder, bert_dir, image_files):
+    """One phrase: the joint caption is the per-phrase prompt and its span the phrase tokens, so the boxes agree."""
+    joint = groundingdino(bert_dir, batch_size=2, prompt="joint")
+    joint.__dict__["model"] = grounder.model
+    request = [GroundingRequest(image_files["wide"], ["a dog on the grass"])]
+    expected = grounder.ground(request)
+    assert expected[0][0]
+    assert joint.ground(request) == expected
+
+
+def test_joint_settings_differ_only_in_the_prompt(grounder, bert_dir):
+    per_phrase = grounder.settings()
+    joint = groundingdino(bert_dir, batch_size=2, prompt="joint").settings()
+    assert per_phrase["prompt"] == "{phrase} ." and "prompt_max_tokens" not in per_phrase
+    assert joint["prompt"] == "{phrase} . {phrase} . ... ." and joint["prompt_max_tokens"] == 256
+    assert {k: v for k, v in joint.items() if k not in ("prompt", "prompt_max_tokens", "phrase_boxes")} == \
+        {k: v for k, v in per_phrase.items() if k != "prompt"}
+    with pytest.raises(ValueError, match="prompt"):
+        groundingdino(bert_dir, prompt="together")
+
+
+def test_grounding_prompt_is_a_config_choice_that_reaches_the_grounder():
+    from datamodules.preprocess import grounder_options
+    from lightning_modules.config import REPO_ROOT, ConfigError, load_config
+
+    macco = REPO_ROOT / "configs" / "macco.yaml"
+    assert load_config([macco]).preprocess.grounding_prompt == "per_phrase"  # the paper recipe
+    cfg = load_config([macco], ["preprocess.grounding_prompt=joint"])
+    name, options = grounder_options(cfg.data, cfg.preprocess)
+    assert name == "groundingdino" and options["prompt"] == "joint"
+    with pytest.raises(ConfigError, match="grounding_prompt"):
+        load_config([macco], ["preprocess.grounding_prompt=together"])

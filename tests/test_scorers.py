@@ -194,3 +194,27 @@ def test_identical_candidates_are_ties_and_wrong_through_real_benchmarks(tmp_pat
         same = replace(item, texts=[item.texts[0]] * 2 + item.texts[2:])
         similarity = scorer.score(same.images, same.texts)
         assert similarity[0, 0] == similarity[0, 1] and order.outcome(same, similarity)["correct"] is False
+
+
+def test_trimmed_text_tower_equals_open_clip_on_mixed_lengths():
+    """Texts sorted by length, each batch cut after its last EOS: the embeddings of the full 77-position tower."""
+    torch.manual_seed(0)
+    scorer = ClipScorer.from_pretrained("ViT-Tiny-16-64", None, batch_size=2)
+    assert scorer.trimmed_text is not None
+    texts = ["a dog", " ".join(["red"] * 100), "two cats on a mat next to a small red car", "x",
+             "a man riding a horse on the beach at sunset", "a dog"[::-1]]  # one text past the 77-token context
+    lengths = []
+    scorer.trimmed_text.model.token_embedding.register_forward_hook(lambda m, i, o: lengths.append(i[0].shape[1]))
+    trimmed = scorer.embed_texts(texts, False)
+    with torch.no_grad():
+        full = scorer.model.encode_text(scorer.tokenizer(texts))
+    assert lengths == sorted(lengths) and lengths[0] < 10 and lengths[-1] == 77  # short batches first
+    torch.testing.assert_close(trimmed, full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
+    untrimmed = ClipScorer(scorer.model, scorer.tokenizer, scorer.preprocess, batch_size=2, trim_text=False)
+    assert untrimmed.trimmed_text is None
+    torch.testing.assert_close(untrimmed.embed_texts(texts, False), full, rtol=1e-6,
+                               atol=1e-6 * full.abs().max().item())
+
+
+def test_text_towers_that_are_not_clips_are_not_trimmed():
+    assert ClipScorer(torch.nn.Linear(1, 1), None, None).trimmed_text is None
