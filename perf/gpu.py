@@ -546,10 +546,11 @@ def training_table(result: dict) -> List[str]:
             notes.append(f"{row['flops_per_step'] / 1e9:,.1f} GFLOP per step (FlopCounterMode), "
                          f"{row['achieved_tflops']:.3g} TFLOP/s, {number(row['mfu_of_matmul'], '.1%')} of the "
                          f"measured matmul rate")
-        mfu = number(row["mfu"], ".1%")
-        lines.append(f"| {row['method']} | {row['batch_size']} | {row['status']} | {number(row['samples_per_s'], '.1f')}"
-                     f" | {number(row['median_step_s'] and 1000 * row['median_step_s'], '.1f')}"
-                     f" | {number(row['peak_memory_gib'], '.2f')} | {mfu} | {cell('; '.join(notes))} |")
+        step_ms = row["median_step_s"] and 1000 * row["median_step_s"]
+        lines.append(f"| {row['method']} | {row['batch_size']} | {row['status']} | "
+                     f"{number(row['samples_per_s'], '.1f')} | {number(step_ms, '.1f')} | "
+                     f"{number(row['peak_memory_gib'], '.2f')} | {number(row['mfu'], '.1%')} | "
+                     f"{cell('; '.join(notes))} |")
     return lines
 
 
@@ -560,8 +561,8 @@ def grounding_table(result: dict) -> List[str]:
     return ["## GroundingDINO preprocessing (parsers.grounding, fp32, one prompt per phrase, random weights)", "",
             "| image size | images | phrases/image | images per forward | images/s | pairs/s | text encoder |",
             "|---:|---:|---:|---:|---:|---:|---|",
-            f"| {g['image_size']} (max {g['max_size']}) | {g['images']} | {g['phrases_per_image']} | {g['batch_images']}"
-            f" | {g['images_per_s']:.2f} | {g['pairs_per_s']:.2f} | {g['text_encoder']} |"]
+            f"| {g['image_size']} (max {g['max_size']}) | {g['images']} | {g['phrases_per_image']} | "
+            f"{g['batch_images']} | {g['images_per_s']:.2f} | {g['pairs_per_s']:.2f} | {g['text_encoder']} |"]
 
 
 def evaluation_table(result: dict) -> List[str]:

@@ -132,7 +132,8 @@ def test_aligner_variants_time_the_cached_feature_step():
     assert batch["image"].dtype == batch["text"].dtype == torch.float16
     assert batch["image_global"].dtype == torch.float32
     module = variant.module
-    assert (module.aligner.config["width"], module.aligner.config["layers"], module.aligner.config["heads"]) == (512, 4, 8)
+    shape = module.aligner.config
+    assert (shape["width"], shape["layers"], shape["heads"]) == (512, 4, 8)  # the paper's aligner
     assert module.in_batch_negatives == 16
     pixels = step.make_batch(module, 4, "cpu")
     with torch.no_grad():
