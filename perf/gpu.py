@@ -318,11 +318,12 @@ def training_row(label: str, settings: Settings, device: dict, deadline: float, 
 
 def training_section(rows: Sequence[str], settings: Settings, device: dict, budget_s: float,
                      fixed_batch: bool) -> Dict[str, dict]:
-    """Every row under its share of the section's budget (what a fast row leaves goes to the rows after it)."""
+    """Every row under its share of the section's budget: up to twice an even split of what is left, so a slow
+    row early on can use what the fast ones leave (most rows take a fraction of their share)."""
     section = Budget(budget_s)
     results = {}
     for index, label in enumerate(rows):
-        share = max(section.left(), 0.0) / (len(rows) - index)
+        share = min(max(section.left(), 0.0), 2 * max(section.left(), 0.0) / (len(rows) - index))
         results[label] = training_row(label, settings, device, time.perf_counter() + share, fixed_batch)
         print(training_line(results[label]), flush=True)
     return results
@@ -445,6 +446,13 @@ def guarded(section: Callable[[], dict]) -> dict:
         return {"status": "error", "error": error_text(error)}
 
 
+def budgeted(share_s: float, section: Callable[[], dict]) -> dict:
+    """`guarded(section)` when it has time left, else a skipped section (the whole check keeps its budget)."""
+    if share_s <= 0:
+        return {"status": "skipped", "error": "time budget spent"}
+    return guarded(section)
+
+
 def check_can_run(args: argparse.Namespace, sections: Sequence[str]) -> None:
     """Refuse before any work: no CUDA device (outside the CPU mode), or a batch nothing can parse."""
     if not args.cpu_smoke and not torch.cuda.is_available():
@@ -471,10 +479,12 @@ def run_sections(args: argparse.Namespace, settings: Settings, sections: Sequenc
             result["training"] = training_section(rows, settings, device, budget.left() - reserved, args.cpu_smoke)
         if "grounding" in sections:
             share = min(settings.grounding_budget_s, budget.left() - later["evaluation"] * ("evaluation" in sections))
-            result["grounding"] = guarded(lambda: grounding_section(settings, kind, share, Path(tmp) / "grounding"))
+            result["grounding"] = budgeted(share, lambda: grounding_section(settings, kind, share,
+                                                                             Path(tmp) / "grounding"))
         if "evaluation" in sections:
             share = min(settings.evaluation_budget_s, budget.left())
-            result["evaluation"] = guarded(lambda: evaluation_section(settings, kind, share, Path(tmp) / "evaluation"))
+            result["evaluation"] = budgeted(share, lambda: evaluation_section(settings, kind, share,
+                                                                               Path(tmp) / "evaluation"))
     result["elapsed_s"] = settings.budget_s - budget.left()
     return result
 

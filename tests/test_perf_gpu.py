@@ -164,3 +164,4 @@ def test_a_failing_row_is_recorded_and_the_rest_still_run(monkeypatch):
     spent = gpu.training_section(["clip_ft"], gpu.CPU_SMOKE, {"kind": "cpu"}, 0.0, True)
     assert spent["clip_ft"]["status"] == "skipped" and spent["clip_ft"]["error"] == "time budget spent"
     assert gpu.guarded(lambda: 1 / 0) == {"status": "error", "error": "ZeroDivisionError: division by zero"}
+    assert gpu.budgeted(0.0, lambda: 1 / 0) == {"status": "skipped", "error": "time budget spent"}
