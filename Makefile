@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 # pytest marker expression; `make test PYTEST_MARK=""` also runs the tests marked slow.
 PYTEST_MARK ?= not slow
 
-.PHONY: setup demo test perf clean-demo
+.PHONY: setup demo test perf gpu-check gpu-prepare clean-demo
 
 setup: $(STAMP)
 
@@ -46,6 +46,25 @@ perf: setup
 	$(PY) -m perf.step --out runs/perf_step.json
 	$(PY) -m perf.preprocess --out runs/perf_preprocess.json
 	$(PY) -m perf.loader --out runs/perf_loader.json
+
+# The GPU check (README, "GPU check"): one command on a machine with a CUDA GPU, at most 8 minutes.
+gpu-check: setup
+	$(PY) -m perf.gpu --json runs/perf_gpu.json --md runs/perf_gpu.md
+
+# For a GPU machine that has no package registry and no spaCy (this workplace's lent GPU: python3 3.12 with torch,
+# lightning, timm, ... but not the packages below, and transformers 5, which GroundingDINO cannot use): wheels of
+# what it lacks and the training batch's caption records, into $(GPU_PREP)/ (git-ignored; carried to the machine).
+GPU_PREP := .gpu
+GPU_WHEELS := open-clip-torch==3.3.0 ftfy==6.3.1 wcwidth==0.9.4 omegaconf==2.4.0 addict==2.4.0 yapf==0.43.0 \
+	platformdirs==4.14.9 pycocotools==2.0.11 transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2
+GPU_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+
+gpu-prepare: setup
+	rm -rf $(GPU_PREP) && mkdir -p $(GPU_PREP)/whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORM) -d $(GPU_PREP)/whl $(GPU_WHEELS)
+	$(PY) -m pip wheel -q --no-deps -w $(GPU_PREP)/whl groundingdino-py==0.4.0
+	$(PY) -m perf.gpu --write-records $(GPU_PREP)/records.json
 
 clean-demo:
 	rm -rf runs/demo_pretrain runs/demo_clip_ft runs/demo_cae runs/demo_macco runs/demo_smartclip runs/demo_tflocal \

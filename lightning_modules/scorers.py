@@ -196,10 +196,10 @@ class ClipScorer(EmbeddingScorer):
         super().__init__(batch_size)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-        self.model = model.eval()
-        self.trimmed_text = _trimmable_text_tower(model) if trim_text else None
-        self.tokenizer, self.preprocess = tokenizer, preprocess
         self.device, self.precision, self.num_workers = torch.device(device), precision, num_workers
+        self.model = model.to(self.device).eval()  # the inputs go to `device`, so the weights must be there too
+        self.trimmed_text = _trimmable_text_tower(self.model) if trim_text else None
+        self.tokenizer, self.preprocess = tokenizer, preprocess
         self.metadata = dict(metadata or {})
 
     @classmethod

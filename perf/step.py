@@ -4,7 +4,8 @@ Every variant builds the same model (same seed) and trains on the same batch; st
 (A B C A B C ...) so machine noise hits every variant alike, and the report gives medians and ratios to
 CLIP-FT rather than absolute claims. Memory: on CUDA the peak allocated bytes of a step; on the CPU the
 bytes autograd saves for backward during the forward (the activation memory, which is what differs
-between methods). A benchmark, not a test.
+between methods). The frozen-backbone aligners (TFLocal / TFGlobal) time the step they train with, on cached
+features (`cached_feature_batch`): the aligner alone, no backbone forward. A benchmark, not a test.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from datamodules.annotations import read_negclip_tsv
+from datamodules.features import TOKEN_DTYPE
 from datamodules.masks import CaptionMasks
 from datamodules.word_vocabulary import WordVocabulary
 from lightning_modules import method_class
@@ -27,6 +29,7 @@ from lightning_modules.base import total_loss
 from lightning_modules.config import load_config
 from parsers.scene_graph import SceneGraphParser
 
+PAPER_ALIGNER = ["method.aligner_width=512", "method.aligner_layers=4", "method.aligner_heads=8"]
 # name -> config overrides. Later methods add their variants here.
 VARIANTS: Dict[str, List[str]] = {
     "clip_ft": [],
@@ -44,9 +47,12 @@ VARIANTS: Dict[str, List[str]] = {
     "macco": ["method.name=macco"],
     "smartclip": ["method.name=smartclip"],
     "smartclip_soft": ["method.name=smartclip", "method.hard_mask=false"],
-    "tflocal": ["method.name=tflocal"],
-    "tflocal_hard4": ["method.name=tflocal", "method.aligner_negatives=4"],
-    "tfglobal": ["method.name=tfglobal"],
+    # TFLocal / TFGlobal at the paper's aligner (d 512, 4 layers, 8 heads), trained on cached features: every
+    # pair of the B x B grid, or (`_hardN`) the diagonal plus each anchor's N hardest in-batch partners
+    **{f"{kind}{suffix}": [f"method.name={kind}", *PAPER_ALIGNER, *negatives]
+       for kind in ("tflocal", "tfglobal")
+       for suffix, negatives in (("", []), ("_hard4", ["method.aligner_negatives=4"]),
+                                 ("_hard16", ["method.aligner_negatives=16"]))},
 }
 REFERENCE = "clip_ft"
 NEGCLIP_TSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
@@ -68,8 +74,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# Cache records written on another machine (`python -m perf.gpu --write-records`), read first when set: the GPU
+# machine has neither spaCy nor the shared captions.
+PREPARED_RECORDS: List[dict] = []
+
+
 def real_captions(n: int) -> List[str]:
     """Real COCO captions (NegCLIP validation TSV) when the shared data is present."""
+    if len(PREPARED_RECORDS) >= n:
+        return [record["caption"] for record in PREPARED_RECORDS[:n]]
     if NEGCLIP_TSV.is_file():
         captions = [record.caption for record in read_negclip_tsv(str(NEGCLIP_TSV))[:n]]
         if len(captions) == n:
@@ -104,6 +117,9 @@ def _parsed(captions: tuple) -> list:
 
 def cache_records(captions: List[str]) -> List[dict]:
     """The preprocessing cache's records of the captions (spans and graph; no boxes)."""
+    prepared = {record["caption"]: record for record in PREPARED_RECORDS}
+    if all(caption in prepared for caption in captions):
+        return [prepared[caption] for caption in captions]
     return [{"caption": caption, "obj_spans": [[s.start, s.end] for s in graph.object_spans()],
              "comp_spans": [[s.start, s.end] for s in graph.composition_spans()], "phrases": [],
              "graph": graph.to_dict()} for caption, graph in zip(captions, _parsed(tuple(captions)))]
@@ -114,6 +130,21 @@ def token_masks(captions: List[str], tokenizer) -> Dict[str, torch.Tensor]:
     masks = CaptionMasks(cache_records(captions), tokenizer, tokenizer.context_length)
     rows = [masks.sample_token_masks(index, tokenizer.context_length) for index in range(len(captions))]
     return {name: torch.from_numpy(np.stack([row[name] for row in rows])) for name in rows[0]}
+
+
+def cached_feature_batch(module, batch: dict, num_hard_negatives: int) -> dict:
+    """A frozen-backbone method's batch as the feature cache serves it (datamodules.features), so the timed step
+    is the step they train with: the frozen CLIP encodes once, here, outside the timed steps; tokens are in the
+    cache's float16 (globals float32); hard-negative captions only with `data.num_hard_negatives` > 0 (the
+    recipes have none; then each image gets the batch's one negative caption)."""
+    if num_hard_negatives <= 0:
+        batch = {key: value for key, value in batch.items() if key != "neg_text"}
+    with torch.no_grad():
+        features = module.encode_batch(batch)
+    for key in ("image", "text", "neg_text"):
+        if key in features:
+            features[key] = features[key].to(TOKEN_DTYPE)
+    return features
 
 
 class Variant:
@@ -128,9 +159,7 @@ class Variant:
         self.optimizer = torch.optim.AdamW(self.module.param_groups(), lr=1e-6)
         self.batch = make_batch(self.module, args.batch_size, args.device)
         if getattr(self.module, "reads_cached_features", False):
-            # frozen-backbone methods train on cached features: encode once, outside the timed steps
-            with torch.no_grad():
-                self.batch = self.module.encode_batch(self.batch)
+            self.batch = cached_feature_batch(self.module, self.batch, cfg.data.num_hard_negatives)
         self.device, self.bf16 = args.device, args.precision == "bf16"
         self.times: List[float] = []
         self.memory_bytes = 0

@@ -1,0 +1,167 @@
+"""The GPU check (`python -m perf.gpu`): its CPU mode end to end (the JSON and Markdown it writes), its refusal
+without CUDA, the device peak table, and the pieces it relies on (perf.step's cached-feature batch of the
+aligners, the scorer's device)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+from lightning_modules.encoders import build_model
+from lightning_modules.scorers import ClipScorer
+from lightning_modules.tflocal import is_feature_batch
+from perf import gpu, step
+from tolerance import assert_scaled_close
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY = "ViT-Tiny-16-64"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One CPU-mode run, through the GPU machine's path: caption records written beforehand, read at run time."""
+    out = tmp_path_factory.mktemp("perf_gpu")
+    gpu.write_records(out / "records.json", 4)
+    try:
+        gpu.main(["--cpu-smoke", "--records", str(out / "records.json"), "--peak-tflops", "2.5",
+                  "--json", str(out / "gpu.json"), "--md", str(out / "gpu.md")])
+    finally:
+        step.PREPARED_RECORDS.clear()
+    return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
+
+
+def test_every_method_row_has_its_numbers(smoke):
+    result, _ = smoke
+    assert result["schema"] == gpu.SCHEMA and result["mode"] == "cpu_smoke"
+    assert list(result["training"]) == list(gpu.LEAD_ROWS)
+    for label, row in result["training"].items():
+        assert tuple(row) == gpu.TRAINING_KEYS
+        assert row["status"] == "ok", (label, row["error"])
+        assert row["batch_size"] == 4 and row["timed_steps"] == 2 == len(row["step_times_s"])
+        assert row["median_step_s"] > 0 and row["samples_per_s"] == pytest.approx(4 / row["median_step_s"])
+        assert row["peak_memory_gib"] > 0 and row["memory_kind"] == "cpu_saved_for_backward"
+        assert row["loss_finite"] and row["grads_finite"] and row["parameters_with_grad"] > 0
+    gradient_based = {label for label, row in result["training"].items() if row["double_backward"]}
+    assert gradient_based == {"cae_gradcam", "cae_gradient", "cae_grad_eclip"}
+
+
+def test_frozen_backbone_rows_train_the_aligner_only(smoke):
+    rows = smoke[0]["training"]
+    aligner = rows["tflocal"]["trainable_parameters"]
+    assert aligner == rows["tfglobal"]["trainable_parameters"] == rows["tflocal_hard16"]["trainable_parameters"]
+    assert aligner < rows["clip_ft"]["trainable_parameters"]
+
+
+def test_clip_ft_flops_count_forward_and_backward_and_give_the_mfu(smoke):
+    result, _ = smoke
+    row = result["training"]["clip_ft"]
+    assert "aten.convolution" in row["flops_by_op"] and "aten.convolution_backward" in row["flops_by_op"]
+    assert row["flops_per_step"] == sum(row["flops_by_op"].values())
+    achieved = row["flops_per_step"] / row["median_step_s"] / 1e12
+    assert row["achieved_tflops"] == pytest.approx(achieved)
+    assert row["mfu"] == pytest.approx(achieved / 2.5)  # against --peak-tflops
+    assert row["mfu_of_matmul"] == pytest.approx(achieved / result["device"]["matmul_bf16_tflops"])
+    assert result["device"]["bf16_peak_tflops"] == 2.5 and result["device"]["peak_source"] == "--peak-tflops"
+    assert all(other["flops_per_step"] is None for label, other in result["training"].items() if label != "clip_ft")
+
+
+def test_grounding_and_evaluation_sections(smoke):
+    result, _ = smoke
+    grounding = result["grounding"]
+    assert grounding["status"] == "ok", grounding["error"]
+    assert grounding["image_size"] == 224 and grounding["images_per_s"] > 0
+    assert grounding["pairs_per_s"] == pytest.approx(grounding["images_per_s"] * grounding["phrases_per_image"])
+    evaluation = result["evaluation"]
+    assert evaluation["status"] == "ok", evaluation["error"]
+    sugarcrepe = evaluation["benchmarks"]["sugarcrepe"]
+    assert sugarcrepe["items"] == 14 and sugarcrepe["items_per_s"] == pytest.approx(14 / sugarcrepe["seconds"])
+
+
+def test_markdown_has_a_row_per_method_and_each_section(smoke):
+    _, markdown = smoke
+    for label in gpu.LEAD_ROWS:
+        assert f"| {label} | 4 | ok | " in markdown
+    assert "## GroundingDINO preprocessing" in markdown and "| 224 (max 373) | 1 | 1 | 1 |" in markdown
+    assert "| sugarcrepe | ok | 14 |" in markdown
+    assert "2.5 TFLOP/s (--peak-tflops)" in markdown
+
+
+def test_refuses_without_cuda_before_any_work(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as refusal:
+        gpu.main(["--json", str(tmp_path / "gpu.json"), "--md", str(tmp_path / "gpu.md")])
+    message = refusal.value.code
+    assert isinstance(message, str) and "\n" not in message  # printed to stderr, exit status 1
+    assert "no CUDA device" in message and "python -m perf.gpu --cpu-smoke" in message
+    assert not list(tmp_path.iterdir())
+
+
+def test_unknown_rows_fail_before_any_work():
+    with pytest.raises(SystemExit, match="unknown perf.step variant 'clip_fx'"):
+        gpu.main(["--cpu-smoke", "--methods", "clip_ft,clip_fx"])
+    with pytest.raises(SystemExit, match="positive integer"):
+        gpu.main(["--cpu-smoke", "--methods", "tflocal@x"])
+    assert gpu.parse_row("tflocal@64", 256, fixed_batch=False) == ("tflocal", 64)
+    assert gpu.parse_row("tflocal@64", 4, fixed_batch=True) == ("tflocal", 4)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.5), ("NVIDIA GH200 480GB", 989.4),
+    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H100 NVL", 835.5),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA L40S", 362.05),
+    ("NVIDIA L40", 181.05), ("NVIDIA L4", 121.0), ("NVIDIA A10", 125.0), ("NVIDIA A10G", None),
+    ("Tesla V100-SXM2-32GB", None)])
+def test_bf16_peak_table(name, peak):
+    value, source = gpu.bf16_peak(name, None)
+    assert value == peak
+    assert ("datasheet" in source) == (peak is not None)
+    assert gpu.bf16_peak(name, 123.0) == (123.0, "--peak-tflops")
+
+
+def test_aligner_variants_time_the_cached_feature_step():
+    """perf.step's TFLocal step reads the cache's layout (float16 tokens, no negatives by default), not pixels."""
+    args = argparse.Namespace(model=TINY, batch_size=4, device="cpu", precision="32", overrides=[])
+    variant = step.Variant("tflocal_hard16", args)
+    batch = variant.batch
+    assert is_feature_batch(batch) and "neg_text" not in batch and batch["image"].ndim == 3  # tokens, not pixels
+    assert batch["image"].dtype == batch["text"].dtype == torch.float16
+    assert batch["image_global"].dtype == torch.float32
+    module = variant.module
+    shape = module.aligner.config
+    assert (shape["width"], shape["layers"], shape["heads"]) == (512, 4, 8)  # the paper's aligner
+    assert module.in_batch_negatives == 16
+    pixels = step.make_batch(module, 4, "cpu")
+    with torch.no_grad():
+        fresh = module.encode_batch({k: v for k, v in pixels.items() if k != "neg_text"})
+    assert_scaled_close(batch["text"].float(), fresh["text"], rtol=1e-3)
+    variant.step(timed=True)
+    assert len(variant.times) == 1
+
+
+def test_clip_scorer_puts_the_model_on_its_device():
+    """`evaluate --device cuda` sends the inputs to the GPU, so the scorer must move the weights there too."""
+    model = build_model(TINY, None, "configs/models").model
+    scorer = ClipScorer(model, None, None, device="meta")
+    assert all(p.device.type == "meta" for p in scorer.model.parameters())
+
+
+def test_a_failing_row_is_recorded_and_the_rest_still_run(monkeypatch):
+    def fake_run(row, settings, device, deadline):
+        if row["variant"] == "macco":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB\n(details)")
+        row.update(status="ok", samples_per_s=10.0, median_step_s=0.4, peak_memory_gib=1.0)
+
+    monkeypatch.setattr(gpu, "run_variant", fake_run)
+    rows = gpu.training_section(["clip_ft", "macco", "smartclip"], gpu.CPU_SMOKE, {"kind": "cpu"}, 60.0, True)
+    assert rows["macco"]["status"] == "error"
+    assert rows["macco"]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 80.00 GiB"
+    assert rows["clip_ft"]["status"] == rows["smartclip"]["status"] == "ok"
+    spent = gpu.training_section(["clip_ft"], gpu.CPU_SMOKE, {"kind": "cpu"}, 0.0, True)
+    assert spent["clip_ft"]["status"] == "skipped" and spent["clip_ft"]["error"] == "time budget spent"
+    assert gpu.guarded(lambda: 1 / 0) == {"status": "error", "error": "ZeroDivisionError: division by zero"}
+    assert gpu.budgeted(0.0, lambda: 1 / 0) == {"status": "skipped", "error": "time budget spent"}
