@@ -5,7 +5,8 @@
   validation-chosen setting; the selection table (every setting's validation mean); the paired differences
   against the reference; the mechanism metrics; the grid runs that are missing or failed;
 - `results.csv` (long: method, negatives, split, metric, mean, low, high, n_seeds, lr; mechanism metrics as
-  `mechanism/<key>`), `differences.csv`, `selection.csv`;
+  `mechanism/<key>`), `differences.csv`, `selection.csv`, and `cells.json`: for every row and reporting split,
+  the cache file (`study_eval.json`) of each seed, whose per-item outcomes the numbers are computed from;
 - `scores_<split>.png` (group score and 2-way relation accuracy with their intervals),
   `validation_curves.png` (every run's `eval/shapes_swap/*` TensorBoard curve, a column per method);
 - `tb_hparams/`: one hparams session per scored run (`tensorboard --logdir <report>/tb_hparams`).
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import shutil
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from datamodules.files import atomic_write_text
-from lightning_modules.study import (METRICS, NO_CONDITION, PAIRED_METRICS, Comparison, Evaluations,
+from lightning_modules.study import (METRICS, NO_CONDITION, PAIRED_METRICS, Cell, Comparison, Evaluations,
                                      Selection, Study, Summary, comparisons, metric_values, study_cells, summarise)
 from lightning_modules.study_stats import Interval
 
@@ -45,6 +47,7 @@ def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tup
     atomic_write_text(out_dir / "results.csv", results_csv(summaries))
     atomic_write_text(out_dir / "differences.csv", differences_csv(differences))
     atomic_write_text(out_dir / "selection.csv", selection_csv(study, selections))
+    atomic_write_text(out_dir / "cells.json", cells_manifest(cells))
     for split in study.settings.splits:
         plot_scores(summaries, split, report_rows(study, summaries, split), out_dir / f"scores_{split}.png")
     plot_validation_curves(study, selections, out_dir / "validation_curves.png")
@@ -104,7 +107,8 @@ def preamble(study: Study, evaluations: Evaluations) -> List[str]:
              f"`{settings.selection_metric}`; reported on {', '.join(f'`{s}`' for s in settings.splits)} "
              "(never used for selection).",
              f"- Grid runs: {total}; scored: {scored}; missing or failed: {total - scored} (listed at the end).",
-             f"- Baseline: `{settings.baseline}`, compared within each condition (`negatives`)."]
+             f"- Baseline: `{settings.baseline}`, compared within each condition (`negatives`).",
+             "- Per-item outcomes: each run's `study_eval.json` (`cells.json` here names the files behind every row)."]
     if frozen:
         lines.append(f"- Frozen rows from `{frozen.export}`: " + ", ".join(
             f"`{label}` ({scorer})" for label, scorer in frozen.rows.items())
@@ -232,6 +236,15 @@ def selection_csv(study: Study, selections: Mapping[Tuple[str, str], Selection])
                 [[method, condition, setting, split, metric, mean, count, setting == selection.chosen]
                  for (method, condition), selection in selections.items()
                  for setting, (mean, count) in selection.validation.items()])
+
+
+def cells_manifest(cells: Sequence[Cell]) -> str:
+    """JSON: split -> "method|negatives" -> {setting, seeds: {seed: cache file}} (to recompute any number)."""
+    manifest: Dict[str, Dict[str, object]] = {}
+    for cell in cells:
+        manifest.setdefault(cell.split, {})[f"{cell.method}|{cell.condition}"] = {
+            "setting": cell.setting, "frozen": cell.frozen, "seeds": dict(cell.sources)}
+    return json.dumps(manifest, indent=2)
 
 
 # ----- plots --------------------------------------------------------------------------------------------------

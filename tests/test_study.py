@@ -184,6 +184,24 @@ def test_reporting_splits_are_scored_only_for_the_chosen_setting(tmp_path):
     assert len(scored) == 3 * 2 * 3 - 1  # methods x conditions x seeds at the chosen lr, one run missing
 
 
+def test_a_run_that_cannot_be_scored_is_listed_and_the_others_are_reported(tmp_path):
+    sweep = make_sweep(tmp_path)
+    broken = "method-clip_ft_negatives-with_lr-0.001_seed-1"
+    (sweep / broken / CACHE_FILE).unlink()
+
+    def evaluator(export, scorer, data, splits):
+        raise RuntimeError("corrupt weights")
+
+    study = load_study(sweep)
+    lines = []
+    evaluations, selections = evaluate_study(study, evaluator, progress=lines.append)
+    assert f"[val 5/35] {broken}: FAILED, scoring on val failed: RuntimeError: corrupt weights" in lines
+    assert selections[("clip_ft", "with")].validation["lr=0.001"][1] == 2  # chosen from the two seeds scored
+    text = write_report(study, evaluations, selections, tmp_path / "report").read_text()
+    assert f"- `{broken}`: scoring on val failed: RuntimeError: corrupt weights" in text
+    assert "scored: 34; missing or failed: 2" in text
+
+
 # ----- summaries and differences ----------------------------------------------------------------------------------
 def test_intervals_are_seed_intervals_of_the_stored_outcomes(reported):
     sweep, _, _, _, results, _ = reported
@@ -252,6 +270,10 @@ def test_paired_differences_equal_a_slow_reference(reported):
         row = rows[(method, negatives, reference, split, metric)]
         assert (float(row["difference"]), float(row["low"]), float(row["high"])) == pytest.approx(expected, rel=1e-9)
         assert int(row["n_seeds"]) == len(seeds) and int(row["n_items"]) == len(mine[0])
+    manifest = json.loads((results.parent / "cells.json").read_text())
+    assert manifest["test"]["macco|without"]["seeds"] == {
+        str(s): str(sweep / f"method-macco_negatives-without_lr-0.001_seed-{s}" / CACHE_FILE) for s in (0, 1)}
+    assert manifest["test"]["sgi|-"]["seeds"] == {"-": str(sweep / FROZEN_DIR / "sgi" / CACHE_FILE)}
     references = {(r["method"], r["reference"]) for r in rows.values()}
     assert ("sgi", "frozen_cosine") in references and not any(m == "clip_ft" for m, _ in references)
     assert not any(m == "tflocal" and ref.startswith("clip_ft") for m, ref in references)
@@ -306,7 +328,8 @@ def check_hparams_view(log_dir: Path, sessions: int) -> None:
     assert {info.name for info in experiments[0].hparam_infos} == {"method", "negatives", "lr", "seed", "chosen"}
     session_runs = [run for run, tags in runs.items() if "_hparams_/session_start_info" in tags]
     assert len(session_runs) == sessions
-    assert all(multiplexer.Scalars(run, "val/group") for run in session_runs)
+    for run in session_runs:  # grid runs all have validation scores, frozen rows only reporting-split scores
+        assert multiplexer.Scalars(run, "val/group" if run.startswith("method-") else "test/group"), run
 
 
 def test_validation_curves_are_read_from_the_runs_tensorboard_events(tmp_path):
