@@ -16,7 +16,13 @@ A sweep file names the config files every run starts from, a grid, fixed overrid
 Every combination becomes one run with a stable directory named from its grid choices
 (`method-clip_ft_seed-0`), so a requeued or resubmitted task resumes its own run. The runs are written to
 `<runs_root>/<name>/sweep.json`; array task i runs `python -m slurm.sweep --task sweep.json i` under srun.
-`--dry-run` prints the sbatch script and the runs; `--local` runs them one after another without SLURM.
+`--dry-run` prints the sbatch script and the runs; `--local` runs them here without SLURM, one after another
+or `--jobs N` at a time (each with cpus // N threads), with a progress line per finished run, each run's output in
+`<run>/sweep.log`, a run whose export already exists skipped (so running the sweep again resumes it), and a failed
+run reported at the end (exit status 1) without stopping the others.
+
+An optional `study:` mapping (settings of the study report, `python -m lightning_modules.study`, which validates
+it) is copied into sweep.json unchanged.
 """
 from __future__ import annotations
 
@@ -27,9 +33,11 @@ import os
 import re
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
@@ -38,7 +46,10 @@ from datamodules.files import atomic_write_text
 SWEEP_FILE = "sweep.json"
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
                   "mem": None, "max_parallel": None, "extra": []}
-SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "slurm"}
+SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "slurm", "study"}
+RUN_LOG = "sweep.log"
+# Thread-count variables a child run gets under --jobs: torch's intra-op pool reads OMP_NUM_THREADS at start.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 class SweepError(ValueError):
@@ -65,6 +76,7 @@ class Sweep:
     runs_root: str
     runs: List[Run]
     slurm: Dict[str, object]
+    study: Dict[str, object] = field(default_factory=dict)
 
     @property
     def directory(self) -> Path:
@@ -82,8 +94,11 @@ def load_sweep(path: Path) -> Sweep:
     unknown = set(slurm) - set(SLURM_DEFAULTS)
     if unknown:
         raise SweepError(f"{path}: unknown slurm keys {sorted(unknown)}; valid: {sorted(SLURM_DEFAULTS)}")
+    study = spec.get("study") or {}
+    if not isinstance(study, dict):
+        raise SweepError(f"{path}: study must be a mapping of report settings, got {type(study).__name__}")
     runs = expand(spec.get("grid") or {}, list(spec.get("configs") or []), list(spec.get("overrides") or []))
-    return Sweep(spec["name"], str(spec.get("runs_root", "runs/sweeps")), runs, slurm)
+    return Sweep(spec["name"], str(spec.get("runs_root", "runs/sweeps")), runs, slurm, study)
 
 
 def axis_choices(key: str, values) -> List[tuple]:
@@ -139,7 +154,8 @@ def sbatch_script(sweep: Sweep, sweep_file: Path) -> str:
 def write_sweep_file(sweep: Sweep) -> Path:
     sweep.directory.mkdir(parents=True, exist_ok=True)
     path = sweep.directory / SWEEP_FILE
-    document = {"name": sweep.name, "runs_root": str(sweep.directory), "runs": [asdict(run) for run in sweep.runs]}
+    document = {"name": sweep.name, "runs_root": str(sweep.directory), "runs": [asdict(run) for run in sweep.runs],
+                "study": sweep.study}
     atomic_write_text(path, json.dumps(document, indent=2))
     return path
 
@@ -172,10 +188,76 @@ def submit(script: str) -> str:
     return result.stdout.strip().split(";")[0]
 
 
-def run_local(sweep: Sweep, sweep_file: Path) -> None:
+def export_complete(run_dir: Path) -> bool:
+    """Whether fit finished the run: its export's `model.json` (written last by ExportCallback) exists and, for
+    an aligner method (TFLocal / TFGlobal, whose module writes `aligner.json` after the callback), that too."""
+    export = Path(run_dir) / "export"
+    if not (export / "model.json").is_file():
+        return False
+    return (export / "aligner.json").is_file() or not _exports_aligner(Path(run_dir) / "config.yaml")
+
+
+def _exports_aligner(config_file: Path) -> bool:
+    """The run's method (from the config.yaml fit wrote) writes an aligner export; False without a config."""
+    if not config_file.is_file():
+        return False
+    from lightning_modules import method_class  # heavy (torch): only for a run that has an export
+    from lightning_modules.tflocal import AlignerModule
+
+    method = (yaml.safe_load(config_file.read_text()) or {}).get("method", {}).get("name")
+    return method is not None and issubclass(method_class(method), AlignerModule)
+
+
+def local_threads(jobs: int) -> int:
+    """Threads per run when `jobs` runs share this process's CPUs (its affinity mask, as SLURM or taskset set)."""
+    return max(1, len(os.sched_getaffinity(0)) // jobs)
+
+
+def task_command(sweep_file: Path, index: int) -> List[str]:
+    return [sys.executable, "-m", "slurm.sweep", "--task", str(sweep_file), str(index)]
+
+
+def run_one(command: List[str], log_path: Path, threads: int) -> tuple:
+    """Run `command` with `threads` threads, appending its output to `log_path`; (return code, seconds)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **{name: str(threads) for name in THREAD_VARIABLES}}
+    start = time.perf_counter()
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)} ({threads} threads)\n")
+        log.flush()
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    return code, time.perf_counter() - start
+
+
+def run_local(sweep: Sweep, sweep_file: Path, jobs: int = 1,
+              command: Optional[Callable[[Path, int], List[str]]] = None) -> List[str]:
+    """Every run of the sweep here, `jobs` at a time; returns the names of the runs that failed.
+
+    A run whose export is complete is skipped (a second call resumes an interrupted sweep: fit itself resumes
+    a run that has checkpoints but no export). `command` builds a run's command line (tests swap in trivial
+    ones). A progress line is printed as each run finishes, in the order they finish.
+    """
+    command = command or task_command
+    total, threads = len(sweep.runs), local_threads(jobs)
+    pending, finished, failed = [], 0, []
     for index, run in enumerate(sweep.runs):
-        print(f"[{index + 1}/{len(sweep.runs)}] {run.name}", flush=True)
-        subprocess.run([sys.executable, "-m", "slurm.sweep", "--task", str(sweep_file), str(index)], check=True)
+        if export_complete(sweep.directory / run.name):
+            finished += 1
+            print(f"[{finished}/{total}] {run.name} skipped: its export exists", flush=True)
+        else:
+            pending.append((index, run))
+    print(f"running {len(pending)} runs, {jobs} at a time, {threads} threads each", flush=True)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_one, command(sweep_file, index), sweep.directory / run.name / RUN_LOG,
+                               threads): run for index, run in pending}
+        for future in as_completed(futures):
+            run, (code, seconds) = futures[future], future.result()
+            finished += 1
+            log_path = sweep.directory / run.name / RUN_LOG
+            status = f"done in {seconds:.0f} s" if code == 0 else f"failed (rc {code}, log {log_path})"
+            print(f"[{finished}/{total}] {run.name} {status}", flush=True)
+            failed += [run.name] if code != 0 else []
+    return failed
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -184,7 +266,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("sweep", nargs="?", type=Path, help="the sweep YAML")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the sbatch script and the runs; submit nothing")
-    mode.add_argument("--local", action="store_true", help="run every combination here, one after another")
+    mode.add_argument("--local", action="store_true", help="run every combination here (see --jobs)")
+    parser.add_argument("--jobs", type=int, default=1, help="with --local: runs at once (default 1), each with "
+                        "max(1, cpus // jobs) threads")
     parser.add_argument("--task", nargs=2, metavar=("SWEEP_JSON", "INDEX"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -196,6 +280,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
         return None
     if args.sweep is None:
         raise SystemExit("give a sweep YAML (see --help)")
+    if args.jobs < 1 or (args.jobs != 1 and not args.local):
+        raise SystemExit(f"--jobs {args.jobs}: needs --local and a positive number")
     try:
         sweep = load_sweep(args.sweep)
     except SweepError as err:
@@ -207,7 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
         return None
     sweep_file = write_sweep_file(sweep)
     if args.local:
-        run_local(sweep, sweep_file)
+        failed = run_local(sweep, sweep_file, args.jobs)
+        if failed:
+            raise SystemExit(f"{len(failed)} of {len(sweep.runs)} runs failed (logs: <run>/{RUN_LOG}): "
+                             + ", ".join(failed))
         return None
     job_id = submit(sbatch_script(sweep, sweep_file))
     print(f"submitted array job {job_id}: {len(sweep.runs)} runs under {sweep.directory}; "

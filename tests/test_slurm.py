@@ -18,7 +18,8 @@ import yaml
 
 from datamodules.shapes import generate
 from slurm.localcluster import LocalSlurm
-from slurm.sweep import expand, load_sweep, main as sweep_main
+from slurm import sweep as sweep_module
+from slurm.sweep import RUN_LOG, expand, export_complete, load_sweep, local_threads, main as sweep_main, run_local
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 150
@@ -81,6 +82,102 @@ def test_unknown_sweep_keys_are_named(tmp_path):
     path.write_text("name: x\ngrids: {seed: [0]}\n")
     with pytest.raises(SystemExit, match="unknown keys.*grids"):
         sweep_main([str(path), "--dry-run"])
+
+
+def local_sweep(tmp_path: Path, seeds: int = 3, study: dict | None = None) -> Path:
+    """A sweep of `seeds` runs whose commands the tests replace with trivial ones (nothing is trained)."""
+    spec = {"name": "local", "runs_root": str(tmp_path / "runs"), "grid": {"seed": list(range(seeds))}}
+    spec.update({"study": study} if study is not None else {})
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def python_command(code: str):
+    """A run command that executes `code` with `index` (the run's task index) defined."""
+    return lambda sweep_file, index: [sys.executable, "-c", f"index = {index}\n{code}"]
+
+
+def test_local_jobs_run_at_once_with_their_share_of_threads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sweep_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    path = local_sweep(tmp_path, seeds=2)
+    sweep = load_sweep(path)
+    # Run 0 finishes only once run 1 has started: one run at a time would time out here.
+    flag = tmp_path / "run-1-started"
+    code = (f"import os, pathlib, sys, time\nprint('threads', os.environ['OMP_NUM_THREADS'], "
+            f"os.environ['MKL_NUM_THREADS'])\nflag = pathlib.Path({str(flag)!r})\n"
+            "if index == 1: flag.touch()\n"
+            "deadline = time.time() + 60\n"
+            "while index == 0 and not flag.exists() and time.time() < deadline: time.sleep(0.05)\n"
+            "sys.exit(0 if flag.exists() else 3)\n")
+    failed = run_local(sweep, tmp_path / "sweep.json", jobs=2, command=python_command(code))
+    assert failed == []
+    out = capsys.readouterr().out
+    assert "2 at a time, 2 threads each" in out
+    finished = sorted(line.split(" done in")[0] for line in out.splitlines() if " done in " in line)
+    assert finished in (["[1/2] seed-0", "[2/2] seed-1"], ["[1/2] seed-1", "[2/2] seed-0"])  # as they finish
+    for name in ("seed-0", "seed-1"):
+        assert "threads 2 2" in (sweep.directory / name / RUN_LOG).read_text()
+
+
+def test_local_threads_share_the_affinity_mask(monkeypatch):
+    monkeypatch.setattr(sweep_module.os, "sched_getaffinity", lambda pid: set(range(6)))
+    assert [local_threads(jobs) for jobs in (1, 2, 4, 6, 8)] == [6, 3, 1, 1, 1]
+
+
+def test_a_failed_run_is_reported_and_the_others_still_run(tmp_path, capsys, monkeypatch):
+    path = local_sweep(tmp_path, seeds=3)
+    monkeypatch.setattr(sweep_module, "task_command",
+                        python_command("import sys\nprint('output of', index)\nsys.exit(7 if index == 1 else 0)"))
+    with pytest.raises(SystemExit, match=r"1 of 3 runs failed .*: seed-1$"):
+        sweep_main([str(path), "--local", "--jobs", "1"])
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "runs" / "local"
+    assert f"[2/3] seed-1 failed (rc 7, log {run_dir / 'seed-1' / RUN_LOG})" in out
+    assert "[1/3] seed-0 done in" in out and "[3/3] seed-2 done in" in out
+    assert "output of 1" in (run_dir / "seed-1" / RUN_LOG).read_text()
+
+
+def test_runs_with_an_export_are_skipped_so_a_rerun_resumes(tmp_path, capsys):
+    sweep = load_sweep(local_sweep(tmp_path, seeds=3))
+    for name in ("seed-0", "seed-2"):
+        (sweep.directory / name / "export").mkdir(parents=True)
+        (sweep.directory / name / "export" / "model.json").write_text("{}")
+    ran = tmp_path / "ran"
+    failed = run_local(sweep, tmp_path / "sweep.json", command=python_command(
+        f"open({str(ran)!r}, 'a').write(str(index))"))
+    assert failed == [] and ran.read_text() == "1"
+    out = capsys.readouterr().out
+    assert "[1/3] seed-0 skipped: its export exists" in out and "[2/3] seed-2 skipped" in out
+    assert "[3/3] seed-1 done in" in out
+
+
+def test_an_aligner_export_is_complete_only_with_its_aligner(tmp_path):
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    assert not export_complete(run)
+    (run / "export" / "model.json").write_text("{}")
+    (run / "config.yaml").write_text("method: {name: tflocal}\n")
+    assert not export_complete(run)  # killed between the CLIP export and the aligner's
+    (run / "export" / "aligner.json").write_text("{}")
+    assert export_complete(run)
+    (run / "config.yaml").write_text("method: {name: clip_ft}\n")
+    (run / "export" / "aligner.json").unlink()
+    assert export_complete(run)
+
+
+def test_the_study_block_is_copied_into_sweep_json(tmp_path, monkeypatch):
+    study = {"data": "data/world", "baseline": "clip_ft", "splits": ["test", "test_unseen"]}
+    path = local_sweep(tmp_path, seeds=1, study=study)
+    monkeypatch.setattr(sweep_module, "task_command", python_command("pass"))
+    sweep_main([str(path), "--local"])
+    document = json.loads((tmp_path / "runs" / "local" / "sweep.json").read_text())
+    assert document["study"] == study and document["runs"][0]["choices"] == {"seed": "seed-0"}
+    path.write_text(yaml.safe_dump({"name": "x", "study": ["not", "a", "mapping"]}))
+    with pytest.raises(SystemExit, match="study must be a mapping"):
+        sweep_main([str(path), "--dry-run"])
+    with pytest.raises(SystemExit, match="needs --local"):
+        sweep_main([str(local_sweep(tmp_path)), "--jobs", "2"])
 
 
 def squeue_ids(cluster: LocalSlurm, job: str) -> list:
