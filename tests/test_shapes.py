@@ -1,4 +1,4 @@
-"""Tests for the shapes world generator (datamodules/shapes.py), on real files in tmp_path."""
+"""Tests for the shapes world generator (the `datamodules.shapes` package), on real files in tmp_path."""
 
 from __future__ import annotations
 

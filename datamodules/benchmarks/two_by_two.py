@@ -344,7 +344,7 @@ class BiSCoRCtrl(TwoByTwoBenchmark):
 # ---------------------------------------------------------------- shapes world
 
 class ShapesSwap(TwoByTwoBenchmark):
-    """The repository's shapes-world swap set (`datamodules/shapes.py`, `annotations/swap_<split>.json`).
+    """The repository's shapes-world swap set (`datamodules/shapes/`, `annotations/swap_<split>.json`).
 
     Reports `text`, `image`, `group`, and `acc_<type>`, the
     2-way caption accuracy per swap type (attribute, relation, object) over both images of each item.
