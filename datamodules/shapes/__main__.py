@@ -17,10 +17,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--captions-per-image", type=int, default=2)
-    parser.add_argument("--n-swap", type=int, default=None, help="swap items per split")
+    parser.add_argument("--n-swap", type=int, default=None,
+                        help="swap items per split (default: a tenth of the images for train, as many for the others)")
+    parser.add_argument("--n-test", type=int, default=None, help="in-distribution test images (default: n-val)")
+    parser.add_argument("--n-test-unseen", type=int, default=None,
+                        help="test images of held-out combinations and colour pairs (default: n-val)")
     args = parser.parse_args(argv)
     counts = generate(args.out, args.n_train, args.n_val, args.image_size, args.seed,
-                      args.captions_per_image, args.n_swap)
+                      args.captions_per_image, args.n_swap, args.n_test, args.n_test_unseen)
     print(json.dumps(counts, sort_keys=True))
 
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
+from datamodules.shapes.heldout import ANY_SCENE, SplitRule
 from datamodules.shapes.world import COLORS, OPPOSITE_RELATION, SHAPES, SIZES, Caption, Scene, holds
 
 
 # Each generator yields candidate negatives, hardest first, and ends with one that names a colour or
-# shape absent from the scene, which cannot be true; `_first_false` keeps the first false candidate.
+# shape absent from the scene, which cannot be true; `_first_false` keeps the first false candidate that the
+# split allows. An in-distribution split allows no negative that names a held-out combination or colour pair
+# (`datamodules.shapes.heldout`): there the next false candidate is taken, and after a generator's own
+# candidates come `_absent_attributes`, which cannot be true either.
 
 
 def _with_subject(caption: Caption, **changes: str | None) -> Caption:
@@ -25,6 +30,13 @@ def swap_field(caption: Caption, field: str) -> Caption:
         subject=replace(subject, **{field: getattr(obj, field)}),
         obj=replace(obj, **{field: getattr(subject, field)}),
     )
+
+
+def _half_swaps(caption: Caption, field: str) -> Iterator[Caption]:
+    """The subject takes the object's `field`, then the object the subject's: a binding error still, in the words
+    of the true caption, for when the full swap is true or names a held-out combination."""
+    yield _with_subject(caption, **{field: getattr(caption.obj, field)})
+    yield replace(caption, obj=replace(caption.obj, **{field: getattr(caption.subject, field)}))
 
 
 def _absent(values: Iterable[str], present: set[str]) -> list[str]:
@@ -42,6 +54,7 @@ def _attribute_swaps(rng: random.Random, scene: Scene, caption: Caption) -> Iter
     yield swap_field(caption, "color")
     if caption.subject.size and caption.obj.size:
         yield swap_field(caption, "size")
+    yield from _half_swaps(caption, "color")
     yield from _absent_colors(rng, scene, caption)
 
 
@@ -53,6 +66,7 @@ def _relation_flips(rng: random.Random, scene: Scene, caption: Caption) -> Itera
 
 def _object_swaps(rng: random.Random, scene: Scene, caption: Caption) -> Iterator[Caption]:
     yield swap_field(caption, "shape")
+    yield from _half_swaps(caption, "shape")
     # Three objects leave at least one of the four shapes unused.
     absent = _absent(SHAPES, {obj.shape for obj in scene.objects})
     yield _with_subject(caption, shape=rng.choice(absent))
@@ -90,18 +104,33 @@ SINGLE_NEGATIVE_KINDS: tuple[NegativeKind, ...] = (
 )
 
 
-def _first_false(scene: Scene, candidates: Iterator[Caption], taken: set[str]) -> Caption:
-    """The first candidate that is false of the scene and differs from the negatives already taken."""
-    return next(c for c in candidates if c.text not in taken and not holds(scene, c))
+def _absent_attributes(rng: random.Random, scene: Scene, caption: Caption) -> Iterator[Caption]:
+    """Last resort: the subject, then the object, with each colour and each shape that no object has."""
+    colors = _absent(COLORS, {obj.color for obj in scene.objects})
+    shapes = _absent(SHAPES, {obj.shape for obj in scene.objects})
+    for role in ("subject",) if caption.relation is None else ("subject", "obj"):
+        for field, values in (("color", colors), ("shape", shapes)):
+            for value in rng.sample(values, len(values)):
+                yield replace(caption, **{role: replace(getattr(caption, role), **{field: value})})
 
 
-def hard_negatives(rng: random.Random, scene: Scene, caption: Caption) -> tuple[Caption, ...]:
+def _first_false(scene: Scene, candidates: Iterator[Caption], taken: set[str], rule: SplitRule) -> Caption:
+    """The first candidate that is false of the scene, new among the negatives taken and allowed by `rule`."""
+    for candidate in candidates:
+        if candidate.text not in taken and not holds(scene, candidate) and rule.allows_negative(candidate):
+            return candidate
+    raise RuntimeError(f"no allowed false candidate left for a negative in {scene}")
+
+
+def hard_negatives(rng: random.Random, scene: Scene, caption: Caption, rule: SplitRule = ANY_SCENE
+                   ) -> tuple[Caption, ...]:
     """Three captions false of `scene`: attribute swap, relation flip, object swap of `caption`.
 
     Args:
         rng: Source of randomness.
         scene: The scene `caption` is true of.
         caption: A true structured caption.
+        rule: The split's rule; a candidate it does not allow is passed over for the next false one.
 
     Returns:
         Three different negatives, each checked to be false of the scene.
@@ -110,5 +139,6 @@ def hard_negatives(rng: random.Random, scene: Scene, caption: Caption) -> tuple[
     negatives: list[Caption] = []
     for kind in kinds:
         taken = {negative.text for negative in negatives}
-        negatives.append(_first_false(scene, kind(rng, scene, caption), taken))
+        candidates = itertools.chain(kind(rng, scene, caption), _absent_attributes(rng, scene, caption))
+        negatives.append(_first_false(scene, candidates, taken, rule))
     return tuple(negatives)

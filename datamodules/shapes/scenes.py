@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+from datamodules.shapes.heldout import ANY_SCENE, SplitRule
 from datamodules.shapes.negatives import hard_negatives
 from datamodules.shapes.world import (
     ATTRIBUTE_TRIPLES,
@@ -67,12 +68,13 @@ def place(rng: random.Random, image_size: int, triples: list[tuple[str, str, str
     return Scene(image_size, objects)
 
 
-def sample_scene(rng: random.Random, image_size: int) -> Scene:
+def sample_scene(rng: random.Random, image_size: int, rule: SplitRule = ANY_SCENE) -> Scene:
     """Sample 2-3 non-overlapping objects with pairwise different (size, colour, shape).
 
     Args:
         rng: Source of randomness.
         image_size: Image side in pixels.
+        rule: The split's rule; scenes it does not allow are drawn again.
 
     Returns:
         The scene.
@@ -80,11 +82,12 @@ def sample_scene(rng: random.Random, image_size: int) -> Scene:
     while True:
         triples = rng.sample(ATTRIBUTE_TRIPLES, rng.choice((2, 3)))
         scene = place(rng, image_size, triples)
-        if scene is not None:
+        if scene is not None and rule.allows_scene(scene):
             return scene
 
 
 def is_valid_scene(scene: Scene) -> bool:
+    """Whether every object lies inside the image, apart from the others, and differs from them."""
     inside = all(0 <= min(obj.bbox) and max(obj.bbox) <= scene.image_size for obj in scene.objects)
     pairs = list(itertools.combinations(scene.objects, 2))
     apart = all(_boxes_apart(a.bbox, b.bbox, _gap(scene.image_size)) for a, b in pairs)
@@ -96,6 +99,7 @@ def is_valid_scene(scene: Scene) -> bool:
 
 
 def needs_size(scene: Scene, target: SceneObject) -> bool:
+    """Whether another object of `scene` has the colour and shape of `target`, so only its size tells them apart."""
     return any(
         obj is not target and (obj.color, obj.shape) == (target.color, target.shape)
         for obj in scene.objects
@@ -103,6 +107,7 @@ def needs_size(scene: Scene, target: SceneObject) -> bool:
 
 
 def describe(target: SceneObject, with_size: bool) -> Description:
+    """The noun phrase naming `target`, with its size or without."""
     return Description(target.color, target.shape, target.size if with_size else None)
 
 
@@ -136,13 +141,15 @@ def sample_caption(rng: random.Random, scene: Scene) -> Caption:
     )
 
 
-def sample_captions(rng: random.Random, scene: Scene, count: int) -> tuple[Caption, ...]:
-    """Sample `count` captions with different texts, each checked to be true of `scene`.
+def sample_captions(rng: random.Random, scene: Scene, count: int, rule: SplitRule = ANY_SCENE
+                    ) -> tuple[Caption, ...]:
+    """Sample `count` captions with different texts, each checked to be true of `scene` and allowed by `rule`.
 
     Args:
         rng: Source of randomness.
         scene: The scene to describe.
         count: Number of captions.
+        rule: The split's rule (the unseen split's captions each name a held-out combination or pair).
 
     Returns:
         The captions.
@@ -153,7 +160,7 @@ def sample_captions(rng: random.Random, scene: Scene, count: int) -> tuple[Capti
     captions: dict[str, Caption] = {}
     for _ in range(CAPTION_ATTEMPTS * count):
         caption = sample_caption(rng, scene)
-        if caption.text not in captions and holds(scene, caption):
+        if caption.text not in captions and holds(scene, caption) and rule.allows_caption(caption):
             captions[caption.text] = caption
         if len(captions) == count:
             return tuple(captions.values())
@@ -161,7 +168,7 @@ def sample_captions(rng: random.Random, scene: Scene, count: int) -> tuple[Capti
 
 
 def sample_example(
-    rng: random.Random, image_id: int, image_size: int, captions_per_image: int
+    rng: random.Random, image_id: int, image_size: int, captions_per_image: int, rule: SplitRule = ANY_SCENE
 ) -> ImageExample:
     """Sample one image's scene, captions and hard negatives.
 
@@ -170,11 +177,12 @@ def sample_example(
         image_id: Id of the image within its split.
         image_size: Image side in pixels.
         captions_per_image: Number of different captions.
+        rule: The split's rule about held-out combinations and colour pairs.
 
     Returns:
         The example.
     """
-    scene = sample_scene(rng, image_size)
-    captions = sample_captions(rng, scene, captions_per_image)
-    negatives = tuple(hard_negatives(rng, scene, caption) for caption in captions)
+    scene = sample_scene(rng, image_size, rule)
+    captions = sample_captions(rng, scene, captions_per_image, rule)
+    negatives = tuple(hard_negatives(rng, scene, caption, rule) for caption in captions)
     return ImageExample(image_id, scene, captions, negatives)

@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
+from datamodules.shapes.heldout import ANY_SCENE, SplitRule
 from datamodules.shapes.negatives import swap_field
 from datamodules.shapes.scenes import describe, is_valid_scene, needs_size, place
 from datamodules.shapes.world import (
@@ -92,7 +93,7 @@ def _is_valid_swap(scenes: tuple[Scene, Scene], captions: tuple[Caption, Caption
 
 
 def sample_swap_pair(
-    rng: random.Random, image_size: int, swap_type: str
+    rng: random.Random, image_size: int, swap_type: str, rule: SplitRule = ANY_SCENE
 ) -> tuple[tuple[Scene, Scene], tuple[Caption, Caption]]:
     """Sample two scenes and two captions that differ only by a swap of `swap_type`.
 
@@ -100,6 +101,8 @@ def sample_swap_pair(
         rng: Source of randomness.
         image_size: Image side in pixels.
         swap_type: One of `SWAP_TYPES`: swap colours, positions or shapes of the first two objects.
+        rule: The split's rule. An in-distribution split shows no held-out combination or pair in either
+            image (a colour or shape swap can create one); in the unseen split one caption at least names one.
 
     Returns:
         (scene 0, scene 1) and (caption 0, caption 1), caption i true of scene i only.
@@ -110,5 +113,6 @@ def sample_swap_pair(
             continue
         caption = _swap_base_caption(rng, scene)
         swapped_scene, swapped_caption = SWAPPERS[swap_type](scene, caption)
-        if _is_valid_swap((scene, swapped_scene), (caption, swapped_caption)):
-            return (scene, swapped_scene), (caption, swapped_caption)
+        scenes, captions = (scene, swapped_scene), (caption, swapped_caption)
+        if _is_valid_swap(scenes, captions) and rule.allows_swap(scenes, captions):
+            return scenes, captions

@@ -66,7 +66,12 @@ DISTRACTOR_RATE = 0.5
 SWAP_TYPES: tuple[str, ...] = ("attribute", "relation", "object")
 CAPTION_ATTEMPTS = 50
 PLACEMENT_ATTEMPTS = 100
-SPLITS: tuple[str, ...] = ("train", "val")
+# "val" serves all selection; "test" and "test_unseen" serve reporting only. "test_unseen" is the one split whose
+# images show held-out colour-shape combinations and colour pairs (see `datamodules.shapes.heldout`).
+SPLITS: tuple[str, ...] = ("train", "val", "test", "test_unseen")
+UNSEEN_SPLIT = "test_unseen"
+# Held-out unordered colour pairs: two objects of these colours never share an image outside `UNSEEN_SPLIT`.
+HELDOUT_COLOR_PAIRS = 2
 
 # Every (size, colour, shape) an object can have, in a fixed order so that sampling is reproducible.
 ATTRIBUTE_TRIPLES: tuple[tuple[str, str, str], ...] = tuple(itertools.product(SIZES, COLORS, SHAPES))
