@@ -351,7 +351,8 @@ class ShapesSwap(TwoByTwoBenchmark):
 
     Args:
         root: the shapes data root (holding `annotations/` and `images/`).
-        split: "val" (default) or "train".
+        split: "val" (default; the split for selection), "test" or "test_unseen" (held-out colour-shape
+            combinations and colour pairs; both for reporting only), or "train".
     """
 
     name = "shapes_swap"
