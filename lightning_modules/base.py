@@ -3,7 +3,8 @@
 A method subclasses `CompositionalCLIPModule` and overrides `compute_terms(batch)`, returning
 `(terms, report)`: `terms` are named scalar tensors, and those whose names end in `_loss` are summed into the
 objective; `report` holds scalars to log only. Everything else (groups, warmup + cosine, logit-scale clamp,
-non-finite guard, logging with `sync_dist=True`) lives here so methods stay small.
+non-finite guard, logging with `sync_dist=True`, the encoding of NegCLIP's hard-negative captions) lives here so
+methods stay small.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
@@ -21,6 +23,20 @@ from lightning_modules.long_context import (STRETCH_DTYPES, restore_kept_positio
                                             zero_kept_gradients)
 
 Terms = Dict[str, Tensor]
+
+
+# How to get each of NegCLIP's extra batch entries when a method's options ask for one that is missing.
+HARD_NEGATIVE_HINTS = {"neg_text": "set data.num_hard_negatives > 0 and use annotations with neg_captions",
+                       "neg_image": "the training split needs the NegCLIP TSV with data.hard_negative_images=true",
+                       "neg_image_neg_text": "set data.num_hard_negatives > 0 with data.hard_negative_images=true"}
+
+
+def required_entry(batch: dict, key: str) -> Tensor:
+    """`batch[key]`, or a KeyError saying which setting provides it (keys of `HARD_NEGATIVE_HINTS`)."""
+    value: Optional[Tensor] = batch.get(key)
+    if value is None:
+        raise KeyError(f"the batch has no {key}: {HARD_NEGATIVE_HINTS[key]}")
+    return value
 
 
 class NonFiniteLossError(RuntimeError):
@@ -51,7 +67,15 @@ def split_by_decay(named: List[Tuple[str, nn.Parameter]]) -> Tuple[list, list]:
 
 
 class CompositionalCLIPModule(L.LightningModule, ABC):
-    """Base of every method. Args: cfg, the resolved experiment config (see config.py)."""
+    """Base of every method. Args: cfg, the resolved experiment config (see config.py).
+
+    Class attributes read by `fit.check_inputs` before anything is built: `uses_hard_negatives` (the method's
+    objective takes NegCLIP's hard-negative captions when `method.hard_negatives` is true) and
+    `uses_hard_negative_images` (it trains on NegCLIP's neighbour images, `data.hard_negative_images`).
+    """
+
+    uses_hard_negatives = False
+    uses_hard_negative_images = False
 
     def __init__(self, cfg: DictConfig):
         super().__init__()
@@ -87,6 +111,30 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
     def clip(self) -> nn.Module:
         """The open_clip model being trained (what gets exported)."""
         return self.encoders.model
+
+    # ----- NegCLIP's hard-negative captions, shared by every method that takes them ---------------------------
+    @property
+    def trains_on_hard_negatives(self) -> bool:
+        """True in training with `method.hard_negatives`: hard captions shape the training objective only
+        (validation scores the method's plain loss of the samples themselves)."""
+        return self.training and bool(self.cfg.method.hard_negatives)
+
+    @staticmethod
+    def hard_negative_ids(batch: dict, neighbours: bool = False) -> Tensor:
+        """Token ids [B, K, L] of the samples' hard captions (`neg_text`), or [2B, K, L] with the NegCLIP
+        neighbours' own hard captions (`neg_image_neg_text`) after them when `neighbours`."""
+        ids = required_entry(batch, "neg_text")
+        if neighbours:
+            ids = torch.cat([ids, required_entry(batch, "neg_image_neg_text")])
+        return ids
+
+    def encode_hard_negatives(self, batch: dict, neighbours: bool = False) -> Tensor:
+        """L2-normalised global features [B, K, D] (or [2B, K, D], see `hard_negative_ids`) of the hard
+        captions: NegCLIP's extra image-to-text columns. The text forward is trimmed after the last EOS, which
+        leaves the pooled EOS feature unchanged (the tower is causal)."""
+        ids = self.hard_negative_ids(batch, neighbours)
+        pooled = self.encoders.encode_text(ids.flatten(0, 1), trim=True).pooled
+        return F.normalize(pooled, dim=-1).view(*ids.shape[:2], -1)
 
     # ----- the one hook a method overrides -------------------------------------------------------------
     @abstractmethod

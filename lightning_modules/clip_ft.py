@@ -11,14 +11,14 @@ batch [ours: the official code trains on one GPU; its gathered labels would not 
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
 
-from lightning_modules.base import CompositionalCLIPModule, Terms
+from lightning_modules.base import CompositionalCLIPModule, Terms, required_entry
 from lightning_modules.losses import ClipLoss
 
 
@@ -32,7 +32,9 @@ class ClipFineTune(CompositionalCLIPModule):
     contrastive loss of the samples themselves.
     """
 
-    # data.hard_negative_images is only accepted for methods that train on the neighbours (fit.check_inputs).
+    # method.hard_negatives and data.hard_negative_images are accepted only by methods that use them
+    # (fit.check_inputs); the hard captions are encoded by the base's shared `encode_hard_negatives`.
+    uses_hard_negatives = True
     uses_hard_negative_images = True
 
     def __init__(self, cfg: DictConfig):
@@ -52,28 +54,9 @@ class ClipFineTune(CompositionalCLIPModule):
 
     def _contrastive_loss(self, batch: dict, image: Tensor, text: Tensor) -> Tensor:
         """L_itc of the samples' features `image`, `text` [B, D]; in training with NegCLIP's hard negatives."""
-        if self.training and self.cfg.data.hard_negative_images:
-            image = torch.cat([image, self._image_features(_required(batch, "neg_image"))])
+        neighbours = self.training and self.cfg.data.hard_negative_images
+        if neighbours:
+            image = torch.cat([image, self._image_features(required_entry(batch, "neg_image"))])
             text = torch.cat([text, self._text_features(batch["neg_image_text"])])
-        negatives = self._encode_negatives(batch) if self.training and self.cfg.method.hard_negatives else None
+        negatives = self.encode_hard_negatives(batch, neighbours) if self.trains_on_hard_negatives else None
         return self.itc(image, text, self.clip.logit_scale.exp(), negatives)
-
-    def _encode_negatives(self, batch: dict) -> Tensor:
-        """[B, K, D] hard captions of the samples, or [2B, K, D] with the neighbours' own after them."""
-        neg_ids = _required(batch, "neg_text")
-        if self.cfg.data.hard_negative_images:
-            neg_ids = torch.cat([neg_ids, _required(batch, "neg_image_neg_text")])
-        pooled = self.encoders.encode_text(neg_ids.flatten(0, 1), trim=True).pooled
-        return F.normalize(pooled, dim=-1).view(*neg_ids.shape[:2], -1)
-
-
-HINTS = {"neg_text": "set data.num_hard_negatives > 0 and use annotations with neg_captions",
-         "neg_image": "the training split needs the NegCLIP TSV with data.hard_negative_images=true",
-         "neg_image_neg_text": "set data.num_hard_negatives > 0 with data.hard_negative_images=true"}
-
-
-def _required(batch: dict, key: str) -> Tensor:
-    value: Optional[Tensor] = batch.get(key)
-    if value is None:
-        raise KeyError(f"the batch has no {key}: {HINTS[key]}")
-    return value

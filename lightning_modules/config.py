@@ -80,7 +80,12 @@ class AttributionConfig:
 class MethodConfig:
     # Key of lightning_modules.METHODS.
     name: str = "clip_ft"
-    # CLIP-FT / NegCLIP: append each sample's hard-negative captions as extra image-to-text columns.
+    # NegCLIP's hard negatives (needs data.num_hard_negatives > 0): in training only, each sample's hard captions
+    # become extra image-to-text columns (never anchors) of the method's contrastive term. Honoured by clip_ft
+    # (NegCLIP: L_itc), clip_cae (its L_itc; CAE + NegCLIP is the paper's own combination), macco (L_mca, full
+    # and masked image rows; MACCO + NegCLIP is the paper's, the form ours) and smartclip (sidm, each hard
+    # caption under its own mask [ours]); fit refuses it for tflocal / tfglobal, which score
+    # data.num_hard_negatives captions in their aligner loss without this flag.
     hard_negatives: bool = False
     # CLIP-CAE: L = L_itc + attr_weight * L_attr with this attribution method (needs data.masks=true). attr_hinge
     # "batch" = the paper's one hinge max(0, A_obj - A_comp + attr_margin) per (global) batch, A_obj / A_comp the

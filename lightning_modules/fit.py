@@ -236,14 +236,35 @@ def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.Ligh
 
 
 def check_inputs(cfg: DictConfig) -> None:
-    """The data this run reads exists (`InputError` naming every missing input) before anything is built."""
+    """The data this run reads exists and the method uses the hard negatives it is given (`InputError` naming
+    every problem) before anything is built."""
     method = method_class(cfg.method.name)
-    if cfg.data.hard_negative_images and not getattr(method, "uses_hard_negative_images", False):
-        users = [name for name, cls in METHODS.items() if getattr(cls, "uses_hard_negative_images", False)]
-        raise InputError(f"training cannot start:\n  - data.hard_negative_images=true: method {cfg.method.name} "
-                         f"does not train on hard-negative images (only {', '.join(users)} do)")
+    problems = hard_negative_problems(cfg, method)
+    if problems:
+        raise InputError("training cannot start:\n" + "\n".join(f"  - {problem}" for problem in problems))
     reads_features = bool(cfg.data.features_cache) and getattr(method, "reads_cached_features", False)
     check_data_inputs(cfg, need_images=not reads_features)
+
+
+def hard_negative_problems(cfg: DictConfig, method: type) -> List[str]:
+    """NegCLIP options the method would ignore or that lack their data: `method.hard_negatives` needs a method
+    whose objective takes hard captions (`uses_hard_negatives`) and `data.num_hard_negatives > 0`;
+    `data.hard_negative_images` a method that trains on the neighbours (`uses_hard_negative_images`).
+    TFLocal / TFGlobal score `data.num_hard_negatives` captions in their aligner loss without either flag."""
+    def users(flag: str) -> str:
+        return ", ".join(name for name, cls in sorted(METHODS.items()) if getattr(cls, flag, False))
+
+    name, problems = cfg.method.name, []
+    if cfg.method.hard_negatives and not getattr(method, "uses_hard_negatives", False):
+        problems.append(f"method.hard_negatives=true: method {name} does not train on hard-negative captions "
+                        f"through it (only {users('uses_hard_negatives')} do)")
+    elif cfg.method.hard_negatives and cfg.data.num_hard_negatives < 1:
+        problems.append(f"method.hard_negatives=true: set data.num_hard_negatives > 0 (it is "
+                        f"{cfg.data.num_hard_negatives}), with annotations that have neg_captions")
+    if cfg.data.hard_negative_images and not getattr(method, "uses_hard_negative_images", False):
+        problems.append(f"data.hard_negative_images=true: method {name} does not train on hard-negative images "
+                        f"(only {users('uses_hard_negative_images')} do)")
+    return problems
 
 
 def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:

@@ -169,17 +169,22 @@ def cae_batch_attribution_loss(attribution: Tensor, obj_mask: Tensor, comp_mask:
 
 # ----- MACCO-CLIP (METHODS.md, MACCO-CLIP) ------------------------------------------------------------------
 def masked_contrastive_loss(images: Tensor, masked_images: Tensor, texts: Tensor, masked_texts: Tensor,
-                            logit_scale: Tensor) -> Tensor:
+                            logit_scale: Tensor, neg_text_features: Optional[Tensor] = None) -> Tensor:
     """MACCO's `L_mca`: InfoNCE over [I; I~] x [T; T~] (2B x 2B) with labels [0..B-1, 0..B-1], both directions.
 
     Masked samples are extra anchors whose positive is the full sample of the other modality, and extra
     negatives for every other anchor. All inputs [B, D] are L2-normalised. Under data parallelism each rank
     scores its own 2B rows against the gathered columns [T_all; T~_all] (features gathered with gradient,
     labels offset by B * rank), so the mean over ranks equals the single-process loss of the global batch.
+
+    `neg_text_features` [B, K, D] (MACCO + NegCLIP [ours: the paper states the combination, not its form]):
+    NegCLIP's hard captions, gathered like the others and appended as extra columns of the image-to-text
+    logits of every image row (full and masked), as `ClipLoss` appends them; never anchors, so the
+    text-to-image direction is unchanged.
     """
     with torch.autocast(device_type=images.device.type, enabled=False):
-        images, masked_images, texts, masked_texts, logit_scale = _fp32(
-            images, masked_images, texts, masked_texts, logit_scale)
+        images, masked_images, texts, masked_texts, logit_scale, negatives = _fp32(
+            images, masked_images, texts, masked_texts, logit_scale, neg_text_features)
         rank, world_size = world_info()
         if world_size > 1:
             check_equal_batches(images.shape[0], world_size, images.device)
@@ -188,7 +193,10 @@ def masked_contrastive_loss(images: Tensor, masked_images: Tensor, texts: Tensor
         image_columns = torch.cat([gather(images), gather(masked_images)])
         labels = (torch.arange(images.shape[0], device=images.device) + images.shape[0] * rank).repeat(2)
         image_rows, text_rows = torch.cat([images, masked_images]), torch.cat([texts, masked_texts])
-        image_to_text = F.cross_entropy(logit_scale * image_rows @ text_columns.T, labels)
+        # the hard captions come after every positive column: the labels are unchanged
+        image_to_text_columns = (text_columns if negatives is None
+                                 else torch.cat([text_columns, gather(negatives).flatten(0, 1)]))
+        image_to_text = F.cross_entropy(logit_scale * image_rows @ image_to_text_columns.T, labels)
         text_to_image = F.cross_entropy(logit_scale * text_rows @ image_columns.T, labels)
         return (image_to_text + text_to_image) / 2
 

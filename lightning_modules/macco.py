@@ -27,6 +27,13 @@ is exact only with the mask), `optim.logit_scale_group=backbone`, `optim.head_de
 token rule is ours in both (`data.comp_mask_rule=every_occurrence`: the exact character spans of every
 composition word); the original's, where each word is BPE-encoded alone, "the" is skipped and only the
 first contiguous id match is masked, is `data.comp_mask_rule=first_bpe_match` (datamodules/masks.py).
+
+MACCO + NegCLIP (`method.hard_negatives: true` with `data.num_hard_negatives: K`; off in the paper configs).
+[paper] MACCO is orthogonal to hard-negative training: stacked on NegCLIP it still gains. The released code
+has no hard negatives, so the form is ours, NegCLIP's own as CLIP-FT applies it: in training only, each
+sample's K hard captions (`neg_text`, encoded by the base's shared `encode_hard_negatives`) are extra columns
+of `L_mca`'s image-to-text logits for every image row, full and masked (`losses.masked_contrastive_loss`);
+they are never anchors, and `L_mir`, `L_mlm`, `L_mim` do not see them.
 """
 from __future__ import annotations
 
@@ -224,8 +231,11 @@ class MaccoCLIP(CompositionalCLIPModule):
     """MACCO-CLIP; needs `data.masks=true` (`comp_mask` and `patch_mask` in every batch).
 
     Config: `method.{mca,mir,mlm,mim}_weight`, `method.{text,image}_predictor_depth`, `method.predictor_heads`,
-    `method.key_padding_mask` (mask text keys after EOS in the image predictor [ours]; the original has none).
+    `method.key_padding_mask` (mask text keys after EOS in the image predictor [ours]; the original has none),
+    `method.hard_negatives` (NegCLIP's hard captions as extra image-to-text columns of `L_mca`, training only).
     """
+
+    uses_hard_negatives = True
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
@@ -247,7 +257,8 @@ class MaccoCLIP(CompositionalCLIPModule):
     def compute_terms(self, batch: dict) -> Tuple[Terms, Terms]:
         _check_masks(batch)
         out = self.macco_forward(batch)
-        raw = self.raw_losses(out, batch["image"])
+        negatives = self.encode_hard_negatives(batch) if self.trains_on_hard_negatives else None
+        raw = self.raw_losses(out, batch["image"], negatives)
         m = self.cfg.method
         weights = {"mca": m.mca_weight, "mir": m.mir_weight, "mlm": m.mlm_weight, "mim": m.mim_weight}
         terms = {f"{name}_loss": weights[name] * value for name, value in raw.items()}
@@ -290,12 +301,15 @@ class MaccoCLIP(CompositionalCLIPModule):
         return _split_image(both)
 
     # ----- losses ------------------------------------------------------------------------------------------
-    def raw_losses(self, out: MaccoOutputs, images: Tensor) -> Terms:
-        """The four unweighted terms (METHODS.md): L_mca, L_mir, L_mlm, L_mim."""
+    def raw_losses(self, out: MaccoOutputs, images: Tensor, negatives: Optional[Tensor] = None) -> Terms:
+        """The four unweighted terms (METHODS.md): L_mca, L_mir, L_mlm, L_mim.
+
+        `negatives` [B, K, D]: L2-normalised hard captions, extra image-to-text columns of L_mca only.
+        """
         scale = self.clip.logit_scale.exp()
         image, masked_image = F.normalize(out.image.pooled, dim=-1), F.normalize(out.masked_image.pooled, dim=-1)
         text, masked_text = F.normalize(out.text.pooled, dim=-1), F.normalize(out.masked_text.pooled, dim=-1)
-        mca = masked_contrastive_loss(image, masked_image, text, masked_text, scale)
+        mca = masked_contrastive_loss(image, masked_image, text, masked_text, scale, negatives)
         mir = (self.clip_loss(masked_text, text, scale) + self.clip_loss(masked_image, image, scale)) / 2
         mlm = masked_token_loss(out.vocabulary_logits, out.ids[out.text_mask], out.text_mask)
         targets = normalised_patch_targets(images, self.patch_size)

@@ -7,15 +7,18 @@ t the L2-normalised text embeddings and a fixed temperature tau (100; CLIP's log
 - `sidm_i = CE_j(S[i, j], i)`: image i against every caption j, each caption with its own mask;
 - `dism_i = CE_k(S[k, i], i)`: caption i's mask applied to every image k.
 
-Both are cross-entropies over the same matrix S, by rows and by columns. Under data parallelism the image
-embeddings, text embeddings and masks of every rank are gathered with gradient and each rank scores only its
-own rows of sidm and its own columns of dism against the whole global batch (open_clip's local-loss
-semantics, `lightning_modules.losses`): averaging the ranks' gradients (DDP) then gives exactly the
-single-process big-batch gradient.
+Both are cross-entropies over the same matrix S, by rows and by columns. With NegCLIP's hard captions
+(SmartCLIP + NegCLIP [ours]; SmartCLIP has none) each hard caption n is one more column of sidm's rows, scored
+like every caption under its own mask m_n (`S[i, n] = tau <norm(x_i * m_n), t_n>`); it is no anchor of dism.
+
+Under data parallelism the image embeddings, text embeddings and masks (and hard captions with their masks)
+of every rank are gathered with gradient and each rank scores only its own rows of sidm and its own columns
+of dism against the whole global batch (open_clip's local-loss semantics, `lightning_modules.losses`):
+averaging the ranks' gradients (DDP) then gives exactly the single-process big-batch gradient.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -63,26 +66,38 @@ class ModularContrastiveLoss(nn.Module):
         super().__init__()
         self.temperature = temperature
 
-    def forward(self, images: Tensor, texts: Tensor, masks: Tensor) -> Tuple[Tensor, Tensor]:
+    def forward(self, images: Tensor, texts: Tensor, masks: Tensor, neg_texts: Optional[Tensor] = None,
+                neg_masks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """Return `(sidm, dism)`, each the mean over this rank's samples.
 
         Args:
             images: [B, D] unnormalised image embeddings x.
             texts: [B, D] L2-normalised text embeddings t.
             masks: [B, D] each caption's mask m over the embedding dimensions.
+            neg_texts: optional [B, K, D] L2-normalised hard captions (NegCLIP), extra columns of sidm only.
+            neg_masks: [B, K, D] each hard caption's own mask (given with `neg_texts`).
         """
+        if (neg_texts is None) != (neg_masks is None):
+            raise ValueError("hard captions need their own masks: give neg_texts and neg_masks together")
         with torch.autocast(device_type=images.device.type, enabled=False):
-            return self._losses(images.float(), texts.float(), masks.float())
+            negatives = None if neg_texts is None else (neg_texts.float(), neg_masks.float())
+            return self._losses(images.float(), texts.float(), masks.float(), negatives)
 
-    def _losses(self, images: Tensor, texts: Tensor, masks: Tensor) -> Tuple[Tensor, Tensor]:
+    def _losses(self, images: Tensor, texts: Tensor, masks: Tensor,
+                negatives: Optional[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
         rank, world_size = world_info()
         if world_size > 1:
             check_equal_batches(images.shape[0], world_size, images.device)
-        all_images, all_texts, all_masks = (gather_features(t, rank, world_size, with_grad=True)
-                                            for t in (images, texts, masks))
+        gather = lambda x: gather_features(x, rank, world_size, with_grad=True)  # noqa: E731
+        all_images, all_texts, all_masks = gather(images), gather(texts), gather(masks)
         labels = torch.arange(images.shape[0], device=images.device) + images.shape[0] * rank
-        # sidm: this rank's images (rows) against every caption of the global batch under its own mask.
-        sidm = F.cross_entropy(masked_logits(images, all_masks, all_texts, self.temperature), labels)
+        # sidm: this rank's images (rows) against every caption of the global batch under its own mask, then
+        # (with NegCLIP) every hard caption under its own mask; the labels point into the first columns.
+        column_texts, column_masks = all_texts, all_masks
+        if negatives is not None:
+            neg_texts, neg_masks = (gather(t).flatten(0, 1) for t in negatives)
+            column_texts, column_masks = torch.cat([all_texts, neg_texts]), torch.cat([all_masks, neg_masks])
+        sidm = F.cross_entropy(masked_logits(images, column_masks, column_texts, self.temperature), labels)
         # dism: this rank's captions (columns), their masks applied to every image of the global batch.
         per_caption = masked_logits(all_images, masks, texts, self.temperature).T
         dism = F.cross_entropy(per_caption, labels)

@@ -23,6 +23,16 @@ what is ours:
 - long captions (the paper's recipe, `configs/smartclip_long.yaml`): Long-CLIP's 248-token text encoder
   (`model.context_length`, `lightning_modules.long_context`) and a random sentence prefix of each ShareGPT4V
   caption (`data.train_caption_sentences: random_prefix`, `datamodules.coco`).
+
+SmartCLIP + NegCLIP [ours; SmartCLIP has no hard negatives], `method.hard_negatives: true` with
+`data.num_hard_negatives: K` (off in the paper configs): in training only, each sample's K hard captions go
+through the same text forward and mask network as a caption and become extra columns of `sidm` (image i
+against every caption, each under its own mask), as NegCLIP appends them to CLIP's image-to-text logits; they
+are never anchors (`dism`, the caption's mask applied to every image, is unchanged) and the sparsity term and
+mask report stay over the samples' own masks. Why the masked term: SmartCLIP trains no unmasked contrastive
+term (the unmasked loss is only the validation metric `unmasked_itc`), so `sidm` is the method's own
+image-to-text contrast; adding an unmasked NegCLIP term instead would add a second objective beside the
+negatives. The mask network reads only the (detached) caption, never whether it is a negative.
 """
 from __future__ import annotations
 
@@ -134,14 +144,17 @@ def mask_network_positions(ids: Tensor, mask_positions: str) -> Optional[Tensor]
 
 
 def modular_terms(images: Tensor, texts: Tensor, masks: Tensor, modular: ModularContrastiveLoss,
-                  modular_weight: float, sparsity_weight: float) -> Terms:
+                  modular_weight: float, sparsity_weight: float,
+                  negatives: Optional[Tuple[Tensor, Tensor]] = None) -> Terms:
     """SmartCLIP's weighted terms: `modular_weight (sidm + dism) + sparsity_weight mean|m|`.
 
     Args:
         images: [B, D] unnormalised image embeddings x. texts: [B, D] L2-normalised text embeddings.
         masks: [B, D] each caption's mask. modular: the loss at the fixed temperature.
+        negatives: optional (hard captions [B, K, D] L2-normalised, their own masks [B, K, D]): extra columns
+            of sidm [ours, NegCLIP]; the sparsity term is over `masks` only.
     """
-    sidm, dism = modular(images, texts, masks)
+    sidm, dism = modular(images, texts, masks, *(negatives or ()))
     return {"sidm_loss": modular_weight * sidm, "dism_loss": modular_weight * dism,
             "sparsity_loss": sparsity_weight * mask_sparsity(masks)}
 
@@ -151,9 +164,12 @@ class SmartCLIP(CompositionalCLIPModule):
 
     Config: method.modular_weight (10), method.sparsity_weight (2), method.modular_temperature (100),
     method.hard_mask (straight-through binary mask, else the sigmoid), method.mask_positions ("all" [official]
-    or "caption" [ours]); the mask network is the head group (optim.head_lr 1e-3, head_weight_decay 0,
-    head_warmup_steps 0 in the SmartCLIP configs).
+    or "caption" [ours]), method.hard_negatives (NegCLIP's hard captions as extra sidm columns [ours]); the mask
+    network is the head group (optim.head_lr 1e-3, head_weight_decay 0, head_warmup_steps 0 in the SmartCLIP
+    configs).
     """
+
+    uses_hard_negatives = True
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
@@ -169,14 +185,28 @@ class SmartCLIP(CompositionalCLIPModule):
         images = self.encoders.encode_image(batch["image"]).pooled  # x: unnormalised (METHODS.md)
         pooled, hidden, valid = self.encode_text_with_hidden(batch["text"])
         texts = F.normalize(pooled, dim=-1)
-        # Detached: the mask network learns from the losses without steering the text encoder.
-        masks = straight_through_mask(self.mask_net(hidden.detach(), valid), hard=m.hard_mask)
-        terms = modular_terms(images, texts, masks, self.modular, m.modular_weight, m.sparsity_weight)
+        masks = self.caption_masks(hidden, valid)
+        negatives = self.hard_negatives_with_masks(batch) if self.trains_on_hard_negatives else None
+        terms = modular_terms(images, texts, masks, self.modular, m.modular_weight, m.sparsity_weight, negatives)
         report = mask_report(masks)
         if not self.training:  # what inference scores: plain cosine, no mask (the best-checkpoint metric)
             temperature = images.new_tensor(m.modular_temperature)
             report["unmasked_itc"] = self.unmasked_itc(F.normalize(images, dim=-1), texts, temperature)
         return terms, report
+
+    def caption_masks(self, hidden: Tensor, valid: Optional[Tensor]) -> Tensor:
+        """Each caption's mask [N, D] from its per-token features (`encode_text_with_hidden`)."""
+        # Detached: the mask network learns from the losses without steering the text encoder.
+        return straight_through_mask(self.mask_net(hidden.detach(), valid), hard=self.cfg.method.hard_mask)
+
+    def hard_negatives_with_masks(self, batch: dict) -> Tuple[Tensor, Tensor]:
+        """NegCLIP's hard captions (`neg_text` [B, K, L], via the base's `hard_negative_ids`) as L2-normalised
+        embeddings [B, K, D] and their own masks [B, K, D]: the text forward and mask network of a caption,
+        because each is scored under its own mask. [ours]"""
+        ids = self.hard_negative_ids(batch)
+        pooled, hidden, valid = self.encode_text_with_hidden(ids.flatten(0, 1))
+        shape = (*ids.shape[:2], -1)
+        return F.normalize(pooled, dim=-1).view(shape), self.caption_masks(hidden, valid).view(shape)
 
     def encode_text_with_hidden(self, ids: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """The text forward returning (pooled [B, D], hidden [B, L', width], valid [B, L'] or None).

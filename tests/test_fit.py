@@ -76,8 +76,11 @@ def test_fast_dev_run_of_every_method(shapes_root, mask_cache, tmp_path, method,
     assert (tmp_path / "demo_pretrain" / "export" / "open_clip.pt").is_file()
 
 
+HARD_NEGATIVES = ["method.hard_negatives=true", "data.num_hard_negatives=3"]
+
+
 @pytest.mark.parametrize("method,extra", [(name, []) for name in sorted(METHODS)] + [
-    ("clip_ft", ["method.hard_negatives=true", "data.num_hard_negatives=3"])])
+    (name, HARD_NEGATIVES) for name in ("clip_ft", "macco", "smartclip")])
 def test_every_trainable_parameter_receives_a_gradient(shapes_root, mask_cache, tmp_path, method, extra):
     cfg = tiny_config(shapes_root, tmp_path, *method_overrides(method, mask_cache), *extra)
     L.seed_everything(0)
@@ -480,6 +483,29 @@ def test_clip_ft_scores_2b_images_against_4b_texts_in_training_only(shapes_root,
         module.compute_terms(batch)
         image, text, negatives = module.itc.calls[-1]
         assert image.shape[0] == text.shape[0] == 3 and negatives is None
+
+
+def test_hard_negatives_are_accepted_by_the_methods_that_train_on_them_only(shapes_root, tmp_path):
+    from datamodules.inputs import InputError
+    from lightning_modules.fit import check_inputs
+
+    accepting = [name for name, cls in sorted(METHODS.items()) if cls.uses_hard_negatives]
+    assert accepting == ["clip_cae", "clip_ft", "macco", "smartclip"]
+    for name in accepting:
+        check_inputs(tiny_config(shapes_root, tmp_path, f"method.name={name}", *HARD_NEGATIVES))
+    for name in ("tflocal", "tfglobal"):
+        # their aligners score data.num_hard_negatives captions without the flag: that stays accepted
+        check_inputs(tiny_config(shapes_root, tmp_path, f"method.name={name}", "data.num_hard_negatives=3"))
+        with pytest.raises(InputError, match=rf"method.hard_negatives=true: method {name} .*only clip_cae, "
+                                             rf"clip_ft, macco, smartclip"):
+            run(tiny_config(shapes_root, tmp_path, f"method.name={name}", *HARD_NEGATIVES))
+    with pytest.raises(InputError, match=r"method.hard_negatives=true: set data.num_hard_negatives > 0"):
+        run(tiny_config(shapes_root, tmp_path, "method.name=macco", "method.hard_negatives=true"))
+    # every problem at once
+    with pytest.raises(InputError, match=r"(?s)hard_negatives=true: method tflocal.*hard_negative_images=true"):
+        run(tiny_config(shapes_root, tmp_path, "method.name=tflocal", *HARD_NEGATIVES,
+                        "data.hard_negative_images=true"))
+    assert not (tmp_path / "demo_pretrain").exists()
 
 
 def test_hard_negative_images_are_refused_for_a_method_that_ignores_them(shapes_root, tmp_path):

@@ -1,5 +1,5 @@
 """ClipLoss and CLIP-CAE's batch hinge against slow references, in fp32 under autocast, and exact under 2 real gloo
-processes."""
+processes (MACCO's L_mca with NegCLIP's hard captions too)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from lightning_modules.losses import ClipLoss, cae_batch_attribution_loss
+from lightning_modules.losses import ClipLoss, cae_batch_attribution_loss, masked_contrastive_loss
 from tolerance import scaled_close
 
 BATCH, DIM, NEGATIVES, WORLD = 4, 6, 2, 2
@@ -321,4 +321,57 @@ def test_negclip_on_two_gloo_processes_is_the_official_loss_of_the_global_batch(
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert scaled_close(result["loss"], expected_loss, 1e-5)
         for name, grad in expected_grads.items():
+            assert scaled_close(result["grads"][name], grad, 1e-5), name
+
+
+class MaccoTowers(TwoTowers):
+    def forward(self, x):
+        """x: full and masked image inputs [B, 8], full and masked caption inputs [B, 5], hard captions [B, K, 5]:
+        MACCO's L_mca with the hard captions as extra image-to-text columns (MACCO + NegCLIP)."""
+        image = lambda a: F.normalize(self.image(a), dim=-1)  # noqa: E731
+        text = lambda a: F.normalize(self.text(a), dim=-1)  # noqa: E731
+        x_image, x_masked_image, x_text, x_masked_text, x_hard = x
+        return masked_contrastive_loss(image(x_image), image(x_masked_image), text(x_text), text(x_masked_text),
+                                       self.logit_scale.exp(), text(x_hard))
+
+
+def macco_negclip_loss_and_grads(rank_slice):
+    model = MaccoTowers()
+    g = torch.Generator().manual_seed(99)
+    n = BATCH * WORLD
+    x = [torch.randn(n, 8, generator=g) for _ in range(2)] + [torch.randn(n, 5, generator=g) for _ in range(2)]
+    x.append(torch.randn(n, NEGATIVES, 5, generator=g))
+    if rank_slice is not None:
+        x = [part[rank_slice] for part in x]
+    loss = model(x)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _macco_negclip_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        loss, grads = macco_negclip_loss_and_grads(slice(rank * BATCH, (rank + 1) * BATCH))
+        dist.all_reduce(loss)
+        for grad in grads.values():
+            dist.all_reduce(grad)
+            grad /= WORLD
+        torch.save({"loss": loss / WORLD, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_macco_mca_with_hard_negatives_on_two_gloo_processes_is_the_global_batch_loss(tmp_path):
+    """Each rank's hard captions are gathered with gradient and scored by every rank's image rows: the mean over
+    ranks (and DDP's mean gradient) equals L_mca of the global batch with all its hard captions in one process
+    (that loss against its slow reference: tests/test_macco.py)."""
+    mp.start_processes(_macco_negclip_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn")
+    expected_loss, expected_grads = macco_negclip_loss_and_grads(None)
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        # per-rank slices and all_reduce sums against one big batch: another summation order, ~1e-7 relative
+        assert scaled_close(result["loss"], expected_loss, 1e-5)
+        for name, grad in expected_grads.items():
+            assert grad.abs().sum() > 0, name
             assert scaled_close(result["grads"][name], grad, 1e-5), name

@@ -38,12 +38,15 @@ def reference_infonce(rows, columns, positives, scale):
     return total / len(rows)
 
 
-def reference_mca(images, masked_images, texts, masked_texts, scale):
-    """[I; I~] against [T; T~] and back; anchor b and its masked copy both have positive column b."""
+def reference_mca(images, masked_images, texts, masked_texts, scale, negatives=None):
+    """[I; I~] against [T; T~] and back; anchor b and its masked copy both have positive column b. With NegCLIP's
+    hard captions `negatives` [B, K, D]: every image row also scores all B * K of them (after the positives, as
+    CLIP-FT's ClipLoss); the text rows score the images only."""
     n = images.shape[0]
     positives = list(range(n)) * 2
     image_rows, text_rows = list(images) + list(masked_images), list(texts) + list(masked_texts)
-    return (reference_infonce(image_rows, text_rows, positives, scale) +
+    hard = [] if negatives is None else [negatives[b, k] for b in range(n) for k in range(negatives.shape[1])]
+    return (reference_infonce(image_rows, text_rows + hard, positives, scale) +
             reference_infonce(text_rows, image_rows, positives, scale)) / 2
 
 
@@ -86,6 +89,25 @@ def test_masked_contrastive_loss_matches_the_slow_reference():
     assert loss.item() == pytest.approx(float(reference_mca(*feats, scale)), rel=1e-5)
     # the masked copies matter: they are extra anchors and negatives (not a plain B x B CLIP loss)
     assert loss.item() != pytest.approx(float(reference_clip(feats[0], feats[2], scale)), rel=1e-3)
+
+
+def test_masked_contrastive_loss_with_hard_negatives_matches_the_slow_reference():
+    feats = [unit(3, 5, seed=s) for s in range(4)]
+    negatives = unit(3, 2, 5, seed=4)
+    scale = torch.tensor(9.0, dtype=torch.float64)
+    loss = masked_contrastive_loss(*feats, scale, negatives)
+    # float32 against the float64 reference: logits of size <= 9, ~1e-7 relative rounding
+    assert loss.item() == pytest.approx(float(reference_mca(*feats, scale, negatives)), rel=1e-5)
+    # the hard captions are extra columns of the image-to-text direction only: the loss rises by half the
+    # difference of that direction's cross-entropies, the text-to-image half is the same
+    image_rows, text_rows = list(feats[0]) + list(feats[1]), list(feats[2]) + list(feats[3])
+    hard = [negatives[b, k] for b in range(3) for k in range(2)]
+    positives = list(range(3)) * 2
+    rise = (reference_infonce(image_rows, text_rows + hard, positives, scale) -
+            reference_infonce(image_rows, text_rows, positives, scale)) / 2
+    plain = masked_contrastive_loss(*feats, scale)
+    assert (loss - plain).item() == pytest.approx(float(rise), rel=1e-4)  # a difference of two ~1e-7-rounded losses
+    assert rise > 0.05
 
 
 def test_masked_token_loss_matches_a_loop_and_leaves_out_empty_samples():
@@ -214,6 +236,53 @@ def test_every_term_equals_its_slow_reference_with_its_weight(module):
                 per_sample[b].append(float(((out.pixel_predictions[b, p].detach() - target) ** 2).mean()))
     assert terms["mim_loss"].item() == pytest.approx(250 * reference_masked_mean(per_sample), rel=1e-5)
     assert report["unweighted/mim"].item() == pytest.approx(reference_masked_mean(per_sample), rel=1e-5)
+
+
+# NegCLIP's hard captions of CAPTIONS: attribute / relation swaps and replaced objects (K = 2 per caption)
+HARD_CAPTIONS = [["a blue cube to the left of a red ball", "a blue ball to the left of a red cube"],
+                 ["a horse riding a man", "a man riding a camel"], ["a cat", "two dogs"],
+                 ["a green small triangle", "a small red triangle"]]
+
+
+def with_hard_captions(module: MaccoCLIP, batch: dict) -> dict:
+    return {**batch, "neg_text": torch.stack([module.tokenizer(captions) for captions in HARD_CAPTIONS])}
+
+
+def test_hard_negatives_are_extra_image_to_text_columns_of_l_mca_in_training_only(module):
+    """MACCO + NegCLIP: L_mca with the hard captions (open_clip's own text forward) equals the float64 reference;
+    the other three terms, validation, and a run without the option are unchanged."""
+    negclip = make_module("method.hard_negatives=true")  # the same weights as `module` (seed 0)
+    batch = with_hard_captions(negclip, make_batch(negclip))
+    terms, report = negclip.compute_terms(batch)
+    plain, plain_report = module.compute_terms(batch)  # neg_text in the batch, option off: ignored
+    without_negatives, _ = module.compute_terms(make_batch(module))
+    with torch.no_grad():
+        out = negclip.macco_forward(batch)  # deterministic: the same tensors as inside compute_terms
+        n = lambda x: F.normalize(x.double(), dim=-1)  # noqa: E731
+        hard = n(negclip.clip.encode_text(batch["neg_text"].flatten(0, 1))).view(4, 2, -1)
+        scale = negclip.clip.logit_scale.exp().double()
+        expected = reference_mca(n(out.image.pooled), n(out.masked_image.pooled), n(out.text.pooled),
+                                 n(out.masked_text.pooled), scale, hard)
+        without = reference_mca(n(out.image.pooled), n(out.masked_image.pooled), n(out.text.pooled),
+                                n(out.masked_text.pooled), scale)
+    assert terms["mca_loss"].item() == pytest.approx(float(expected), rel=1e-5)  # float32 logits of size <= 14
+    assert float(expected) > float(without) + 0.01  # the hard captions are in the loss
+    assert plain["mca_loss"].item() == pytest.approx(float(without), rel=1e-5)
+    for name in ("mir_loss", "mlm_loss", "mim_loss"):  # the same forward: the same values
+        assert terms[name].item() == pytest.approx(plain[name].item(), rel=1e-6), name
+    for name in plain:
+        assert plain[name].item() == without_negatives[name].item(), name
+    assert set(report) == set(plain_report)
+    negclip.eval()
+    with torch.no_grad():  # validation scores the plain L_mca
+        validation, _ = negclip.compute_terms(batch)
+    assert validation["mca_loss"].item() == pytest.approx(float(without), rel=1e-5)
+
+
+def test_hard_negatives_without_hard_captions_in_the_batch_name_the_setting():
+    negclip = make_module("method.hard_negatives=true")
+    with pytest.raises(KeyError, match="data.num_hard_negatives > 0"):
+        negclip.compute_terms(make_batch(negclip))
 
 
 def test_report_counts_masked_tokens_patches_and_empty_samples(module):

@@ -28,17 +28,22 @@ from lightning_modules.smartclip import (MaskNetwork, SmartCLIP, caption_positio
                                          mask_network_positions, mask_report)
 from tolerance import scaled_close
 
-BATCH, DIM, WORLD = 4, 6, 2
+BATCH, DIM, WORLD, NEGATIVES = 4, 6, 2, 2
 CAPTIONS = ["a red cube to the left of a blue ball", "a man riding a horse", "a dog", "a small green triangle"]
 
 
 # ----- the losses against their definition (METHODS.md), one anchor at a time ---------------------------------
-def reference_losses(images, texts, masks, tau):
-    """sidm_i = CE_j(tau <norm(x_i m_j), t_j>, i); dism_i = CE_k(tau <norm(x_k m_i), t_i>, i)."""
+def reference_losses(images, texts, masks, tau, neg_texts=None, neg_masks=None):
+    """sidm_i = CE_j(tau <norm(x_i m_j), t_j>, i); dism_i = CE_k(tau <norm(x_k m_i), t_i>, i). With NegCLIP's hard
+    captions neg_texts [B, K, D] and their own masks: sidm's j also runs over all B * K of them after the B
+    captions; dism is unchanged (they are never anchors)."""
     n = images.shape[0]
+    columns = [(texts[j], masks[j]) for j in range(n)]
+    if neg_texts is not None:
+        columns += [(neg_texts[b, k], neg_masks[b, k]) for b in range(n) for k in range(neg_texts.shape[1])]
     sidm, dism = 0.0, 0.0
     for i in range(n):
-        over_captions = torch.stack([tau * F.normalize(images[i] * masks[j], dim=0).dot(texts[j]) for j in range(n)])
+        over_captions = torch.stack([tau * F.normalize(images[i] * mask, dim=0).dot(text) for text, mask in columns])
         sidm = sidm - (over_captions[i] - torch.logsumexp(over_captions, 0))
         over_images = torch.stack([tau * F.normalize(images[k] * masks[i], dim=0).dot(texts[i]) for k in range(n)])
         dism = dism - (over_images[i] - torch.logsumexp(over_images, 0))
@@ -70,6 +75,38 @@ def test_losses_and_gradients_match_the_slow_reference(binary):
         # row by row: the empty mask's row of the mask gradient is ~1e12 (F.normalize's eps), the others ~1;
         # float32 rounding is ~1e-6 of each row's largest entry (1.7e-6 seen)
         assert all(scaled_close(row, expected_row, 2e-5) for row, expected_row in zip(grad, expected))
+
+
+def random_hard_captions(binary: bool, seed: int = 7):
+    """Hard captions [B, K, D] (L2-normalised, float64) and their own masks; one hard caption keeps nothing."""
+    g = torch.Generator().manual_seed(seed)
+    texts = F.normalize(torch.randn(BATCH, NEGATIVES, DIM, generator=g, dtype=torch.float64), dim=-1)
+    masks = torch.rand(BATCH, NEGATIVES, DIM, generator=g, dtype=torch.float64)
+    if binary:
+        masks = (masks > 0.5).double()
+        masks[2, 1] = 0.0
+    return [t.requires_grad_() for t in (texts, masks)]
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_hard_negatives_are_extra_sidm_columns_under_their_own_masks(binary):
+    """SmartCLIP + NegCLIP [ours]: losses and gradients against the float64 reference; dism is unchanged."""
+    inputs, negatives = random_inputs(binary), random_hard_captions(binary)
+    sidm, dism = ModularContrastiveLoss(temperature=7.0)(*inputs, *negatives)
+    grads = torch.autograd.grad(sidm + 2 * dism, inputs + negatives)
+    expected_sidm, expected_dism = reference_losses(*inputs, 7.0, *negatives)
+    expected_grads = torch.autograd.grad(expected_sidm + 2 * expected_dism, inputs + negatives)
+    # float32 logits of size <= 7 (loss ~5): ~1e-7 relative
+    assert scaled_close(sidm, expected_sidm, 1e-5) and scaled_close(dism, expected_dism, 1e-5)
+    for grad, expected in zip(grads, expected_grads):
+        assert torch.isfinite(grad).all()
+        # row by row, as above: an empty mask's row is ~1e12 (F.normalize's eps), the others ~1
+        assert all(scaled_close(row, expected_row, 2e-5) for row, expected_row in zip(grad.flatten(0, -2),
+                                                                                        expected.flatten(0, -2)))
+    plain_sidm, plain_dism = ModularContrastiveLoss(temperature=7.0)(*inputs)
+    assert torch.equal(dism, plain_dism) and sidm > plain_sidm + 0.05
+    with pytest.raises(ValueError, match="together"):
+        ModularContrastiveLoss(7.0)(*inputs, negatives[0])
 
 
 def test_the_two_directions_differ_and_the_mask_changes_the_scores():
@@ -115,20 +152,25 @@ class TinySmartTowers(torch.nn.Module):
         self.text = torch.nn.Linear(5, DIM)
         self.mask = torch.nn.Linear(5, DIM)
 
-    def forward(self, x_image, x_text, loss_fn):
+    def forward(self, x_image, x_text, loss_fn, x_hard=None):
         masks = straight_through_mask(self.mask(x_text), hard=True)
-        sidm, dism = loss_fn(self.image(x_image), F.normalize(self.text(x_text), dim=-1), masks)
+        negatives = ()
+        if x_hard is not None:  # NegCLIP's hard captions [B, K, 5], each under its own mask
+            negatives = (F.normalize(self.text(x_hard), dim=-1), straight_through_mask(self.mask(x_hard), hard=True))
+        sidm, dism = loss_fn(self.image(x_image), F.normalize(self.text(x_text), dim=-1), masks, *negatives)
         return {"sidm": sidm, "dism": dism, "sparsity": mask_sparsity(masks)}, mask_report(masks)
 
 
-def parity_run(rank_slice):
+def parity_run(rank_slice, hard_negatives=False):
     """Losses, mask report and gradients on the slice of a fixed global batch (all of it if None)."""
     model, loss_fn = TinySmartTowers(), ModularContrastiveLoss(100.0)
     g = torch.Generator().manual_seed(123)
     x_image, x_text = torch.randn(BATCH * WORLD, 8, generator=g), torch.randn(BATCH * WORLD, 5, generator=g)
+    x_hard = torch.randn(BATCH * WORLD, NEGATIVES, 5, generator=g) if hard_negatives else None
     if rank_slice is not None:
         x_image, x_text = x_image[rank_slice], x_text[rank_slice]
-    losses, report = model(x_image, x_text, loss_fn)
+        x_hard = x_hard[rank_slice] if hard_negatives else None
+    losses, report = model(x_image, x_text, loss_fn, x_hard)
     (10 * (losses["sidm"] + losses["dism"]) + 2 * losses["sparsity"]).backward()
     losses = {k: v.detach() for k, v in losses.items()}
     return losses, report, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -137,31 +179,37 @@ def parity_run(rank_slice):
 def _parity_worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        losses, report, grads = parity_run(slice(rank * BATCH, (rank + 1) * BATCH))
-        for value in [*losses.values(), *grads.values()]:  # sync_dist logging and DDP: means over ranks
-            dist.all_reduce(value)
-            value /= WORLD
-        # the mask report is already global on every rank (logging's mean over ranks keeps it)
-        torch.save({"losses": losses, "report": report, "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+        for hard_negatives in (False, True):  # one spawn for both: each backward all-reduces in the same order
+            losses, report, grads = parity_run(slice(rank * BATCH, (rank + 1) * BATCH), hard_negatives)
+            for value in [*losses.values(), *grads.values()]:  # sync_dist logging and DDP: means over ranks
+                dist.all_reduce(value)
+                value /= WORLD
+            # the mask report is already global on every rank (logging's mean over ranks keeps it)
+            torch.save({"losses": losses, "report": report, "grads": grads},
+                       os.path.join(out_dir, f"rank{rank}_{hard_negatives}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_two_gloo_processes_match_the_big_batch(tmp_path):
+    """With and without hard negatives (gathered with their masks, extra sidm columns of every rank)."""
     mp.start_processes(_parity_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD,
                        start_method="spawn")
-    expected_losses, expected_report, expected_grads = parity_run(None)
-    assert expected_report["mask/active_min"] < expected_report["mask/active_max"]
-    for rank in range(WORLD):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
-        # per-rank slices and all_reduce sums against one big batch: another summation order, ~1e-7 relative
-        for name, value in expected_losses.items():
-            assert scaled_close(result["losses"][name], value, 1e-5), name
-        # exact: counts of the same hard masks (no mask logit lies within 6e-3 of the threshold, rounding is ~1e-7)
-        assert {k: float(v) for k, v in result["report"].items()} == {k: float(v) for k, v in expected_report.items()}
-        for name, grad in expected_grads.items():
-            assert grad.abs().sum() > 0, name
-            assert scaled_close(result["grads"][name], grad, 1e-5), name
+    for hard_negatives in (False, True):
+        expected_losses, expected_report, expected_grads = parity_run(None, hard_negatives)
+        assert expected_report["mask/active_min"] < expected_report["mask/active_max"]
+        for rank in range(WORLD):
+            result = torch.load(tmp_path / f"rank{rank}_{hard_negatives}.pt")
+            # per-rank slices and all_reduce sums against one big batch: another summation order, ~1e-7 relative
+            for name, value in expected_losses.items():
+                assert scaled_close(result["losses"][name], value, 1e-5), name
+            # exact: counts of the same hard masks (no mask logit lies within 6e-3 of the threshold, rounding is
+            # ~1e-7)
+            assert ({k: float(v) for k, v in result["report"].items()} ==
+                    {k: float(v) for k, v in expected_report.items()})
+            for name, grad in expected_grads.items():
+                assert grad.abs().sum() > 0, name
+                assert scaled_close(result["grads"][name], grad, 1e-5), (hard_negatives, name)
 
 
 # ----- the mask network -------------------------------------------------------------------------------------------
@@ -271,6 +319,80 @@ def test_terms_equal_the_reference_on_open_clips_own_forward(module):
     assert [report[f"mask/active_{k}"].item() for k in ("mean", "min", "max")] == pytest.approx(
         [active.mean().item(), active.min().item(), active.max().item()])
     assert "unmasked_itc" not in report  # computed in validation only
+
+
+# NegCLIP's hard captions of CAPTIONS (K = 2 per caption)
+HARD_CAPTIONS = [["a blue cube to the left of a red ball", "a blue ball to the left of a red cube"],
+                 ["a horse riding a man", "a man riding a camel"], ["a cat", "two dogs"],
+                 ["a green small triangle", "a small red triangle"]]
+
+
+def open_clip_text_and_masks(module: SmartCLIP, ids: torch.Tensor):
+    """L2-normalised text embeddings and hard masks by open_clip's own untrimmed forward (the ln_final output read
+    by a hook), the mask network on every position [official] or on SOT..EOS [ours]; and the smallest |logit|."""
+    captured = []
+    handle = module.clip.ln_final.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        texts = F.normalize(module.clip.encode_text(ids), dim=-1)
+    finally:
+        handle.remove()
+    positions = module.cfg.method.mask_positions
+    logits = module.mask_net(captured[0], None if positions == "all" else caption_positions(ids))
+    return texts, (torch.sigmoid(logits) >= 0.5).float(), logits.abs().min()
+
+
+@pytest.mark.parametrize("positions", ["all", "caption"])
+def test_hard_negatives_join_sidm_under_their_own_masks_in_training_only(positions):
+    """SmartCLIP + NegCLIP [ours]: sidm with the hard captions (open_clip's own forward, each under its own mask)
+    equals the float64 reference; dism, sparsity, the mask report, validation and a run without the option are
+    unchanged."""
+    torch.manual_seed(0)
+    negclip = SmartCLIP(smartclip_config("method.hard_negatives=true", f"method.mask_positions={positions}")).train()
+    torch.manual_seed(0)
+    plain_module = SmartCLIP(smartclip_config(f"method.mask_positions={positions}")).train()
+    batch = {**hand_made_batch(negclip),
+             "neg_text": torch.stack([negclip.tokenizer(captions) for captions in HARD_CAPTIONS])}
+    terms, report = negclip.compute_terms(batch)
+    plain, plain_report = plain_module.compute_terms(batch)  # neg_text in the batch, option off: ignored
+    without_negatives, _ = plain_module.compute_terms(hand_made_batch(plain_module))
+    with torch.no_grad():
+        texts, masks, margin = open_clip_text_and_masks(negclip, batch["text"])
+        hard, hard_masks, hard_margin = open_clip_text_and_masks(negclip, batch["neg_text"].flatten(0, 1))
+        # the premise of comparing losses: no logit within rounding of the threshold (see the test above)
+        assert min(margin, hard_margin) > 1e-5
+        images = negclip.clip.encode_image(batch["image"]).double()
+        hard, hard_masks = hard.double().view(4, 2, -1), hard_masks.double().view(4, 2, -1)
+        sidm, dism = reference_losses(images, texts.double(), masks.double(), 100.0, hard, hard_masks)
+        plain_sidm, _ = reference_losses(images, texts.double(), masks.double(), 100.0)
+    # cross-entropies of ~2-9 from logits of size ~100: the cancellation makes their rounding ~2e-6 relative
+    assert terms["sidm_loss"].item() == pytest.approx(10 * sidm.item(), rel=2e-5)
+    assert terms["dism_loss"].item() == pytest.approx(10 * dism.item(), rel=2e-5)
+    assert plain["sidm_loss"].item() == pytest.approx(10 * plain_sidm.item(), rel=2e-5)
+    assert sidm > plain_sidm + 0.01  # the hard captions are in the loss
+    assert 0 < hard_masks.sum(dim=-1).min() < hard_masks.sum(dim=-1).max()  # their masks differ from caption to caption
+    for name in ("dism_loss", "sparsity_loss"):  # the samples' own masks and directions: unchanged
+        assert terms[name].item() == pytest.approx(plain[name].item(), rel=1e-6), name
+    assert {k: v.item() for k, v in report.items()} == {k: v.item() for k, v in plain_report.items()}
+    assert {k: v.item() for k, v in plain.items()} == {k: v.item() for k, v in without_negatives.items()}
+    negclip.eval()
+    with torch.no_grad():  # validation: the plain terms
+        validation, _ = negclip.compute_terms(batch)
+    assert validation["sidm_loss"].item() == pytest.approx(10 * plain_sidm.item(), rel=2e-5)
+
+
+def test_hard_negatives_reach_the_text_encoder_and_the_mask_network_through_sidm():
+    torch.manual_seed(0)
+    negclip = SmartCLIP(smartclip_config("method.hard_negatives=true")).train()
+    batch = {**hand_made_batch(negclip),
+             "neg_text": torch.stack([negclip.tokenizer(captions) for captions in HARD_CAPTIONS])}
+    hard, hard_masks = negclip.hard_negatives_with_masks(batch)
+    assert hard.shape == hard_masks.shape == (4, 2, 64) and hard.requires_grad and hard_masks.requires_grad
+    # the hard masks read detached text features: their gradient trains the mask network only
+    text_encoder = [p for n, p in negclip.clip.named_parameters() if not n.startswith("visual.") and p.requires_grad]
+    assert all(g is None for g in torch.autograd.grad(hard_masks.sum(), text_encoder, retain_graph=True,
+                                                      allow_unused=True))
+    assert any(g is not None and g.abs().sum() > 0 for g in torch.autograd.grad(hard.sum(), text_encoder,
+                                                                                allow_unused=True))
 
 
 def test_the_mask_network_has_no_gradient_path_into_the_text_encoder(module):
