@@ -22,10 +22,11 @@ $(STAMP): requirements.txt setup.cfg pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-$(SHAPES)/annotations/swap_val.json: | $(STAMP)
+# The generator writes annotations/heldout.json last: its presence means the whole world is there.
+$(SHAPES)/annotations/heldout.json: | $(STAMP)
 	$(PY) -m datamodules.shapes --out $(SHAPES) --n-train 4000 --n-val 500 --image-size 64 --seed 0
 
-demo: setup $(SHAPES)/annotations/swap_val.json
+demo: setup $(SHAPES)/annotations/heldout.json
 	$(PY) -m datamodules.preprocess --config configs/demo/pretrain.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/pretrain.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/clip_ft.yaml

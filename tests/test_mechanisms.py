@@ -83,8 +83,8 @@ def test_bad_runs_are_named_errors(shapes_root, smartclip_run, tmp_path):
         measure(tmp_path, shapes_root, "val")
     copy = tmp_path / "copy"
     shutil.copytree(smartclip_run, copy)
-    with pytest.raises(MechanismError, match="split 'test'"):
-        measure(copy, shapes_root, "test")
+    with pytest.raises(MechanismError, match="split 'missing'"):
+        measure(copy, shapes_root, "missing")
     with pytest.raises(ValueError, match="limit"):
         measure(copy, shapes_root, "val", limit=0)
     (copy / "checkpoints" / "last.ckpt").unlink()
@@ -266,7 +266,7 @@ def test_a_split_without_a_mask_cache_is_preprocessed_first(shapes_root, macco_r
     coco["annotations"] = coco["annotations"][:10]  # another file: another cache key
     (root / "annotations" / "captions_test.json").write_text(json.dumps(coco))
     shutil.copy(root / "annotations" / "scene_graphs_val.json", root / "annotations" / "scene_graphs_test.json")
-    shutil.copytree(root / "images" / "val", root / "images" / "test")
+    shutil.copytree(root / "images" / "val", root / "images" / "test", dirs_exist_ok=True)  # val's images over test's
     cache_root = Path(load_run(macco_run).cfg.preprocess.cache_root)
     caches = set(cache_root.iterdir())
     on_test = measure(macco_run, root, "test", limit=6, device="cpu")

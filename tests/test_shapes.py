@@ -1,4 +1,4 @@
-"""Tests for the shapes world generator (datamodules/shapes.py), on real files in tmp_path."""
+"""Tests for the shapes world generator (the `datamodules.shapes` package), on real files in tmp_path."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from datamodules.shapes import (
     RELATIONS,
     SHAPES,
     SIZES,
+    SPLITS,
     SWAP_TYPES,
     Caption,
     Description,
@@ -39,9 +40,8 @@ from datamodules.shapes import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SPLITS = ("train", "val")
-N_IMAGES = {"train": 200, "val": 30}
-N_SWAP = {"train": 20, "val": 30}  # the defaults: n_train // 10 and n_val
+N_IMAGES = {"train": 200, "val": 30, "test": 24, "test_unseen": 21}
+N_SWAP = {"train": 20, "val": 30, "test": 24, "test_unseen": 21}  # the defaults: n_train // 10, else n_images
 IMAGE_SIZE = 48
 CAPTIONS_PER_IMAGE = 2
 
@@ -50,7 +50,7 @@ CAPTIONS_PER_IMAGE = 2
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("shapes")
     generate(root, N_IMAGES["train"], N_IMAGES["val"], image_size=IMAGE_SIZE, seed=3,
-             captions_per_image=CAPTIONS_PER_IMAGE)
+             captions_per_image=CAPTIONS_PER_IMAGE, n_test=N_IMAGES["test"], n_test_unseen=N_IMAGES["test_unseen"])
     return root
 
 
@@ -131,6 +131,8 @@ def test_same_arguments_give_identical_files_and_other_seed_differs(tmp_path: Pa
     assert counts == {
         "train": {"images": 12, "captions": 24, "swap_items": 1},
         "val": {"images": 6, "captions": 12, "swap_items": 6},
+        "test": {"images": 6, "captions": 12, "swap_items": 6},
+        "test_unseen": {"images": 6, "captions": 12, "swap_items": 6},
     }
 
 
@@ -206,6 +208,8 @@ def test_invalid_arguments_are_rejected(tmp_path: Path) -> None:
         generate(tmp_path, 2, 2, image_size=16)
     with pytest.raises(ValueError, match="captions_per_image"):
         generate(tmp_path, 2, 2, captions_per_image=0)
+    with pytest.raises(ValueError, match="non-negative"):
+        generate(tmp_path, 2, 2, n_test_unseen=-1)
 
 
 # ---------------------------------------------------------------- semantics
@@ -389,14 +393,18 @@ def test_swap_images_exist_and_match_their_scenes(dataset: Path, split: str) -> 
 def test_cli_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     command = [sys.executable, "-m", "datamodules.shapes", "--out", str(out), "--n-train", "4", "--n-val", "2",
-               "--image-size", "32", "--seed", "5", "--captions-per-image", "3", "--n-swap", "3"]
+               "--image-size", "32", "--seed", "5", "--captions-per-image", "3", "--n-swap", "3", "--n-test", "1",
+               "--n-test-unseen", "2"]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {
         "train": {"images": 4, "captions": 12, "swap_items": 3},
         "val": {"images": 2, "captions": 6, "swap_items": 3},
+        "test": {"images": 1, "captions": 3, "swap_items": 3},
+        "test_unseen": {"images": 2, "captions": 6, "swap_items": 3},
     }
     assert len(list((out / "images" / "train").glob("*.png"))) == 4
+    assert len(list((out / "images" / "test_unseen").glob("*.png"))) == 2
     assert len(_annotations(out, "captions_train.json")["annotations"]) == 12
     assert len(list((out / "images" / "swap_val").glob("*.png"))) == 6
     assert len(load_swap_items(out, "val")) == 3

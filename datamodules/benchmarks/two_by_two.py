@@ -344,14 +344,15 @@ class BiSCoRCtrl(TwoByTwoBenchmark):
 # ---------------------------------------------------------------- shapes world
 
 class ShapesSwap(TwoByTwoBenchmark):
-    """The repository's shapes-world swap set (`datamodules/shapes.py`, `annotations/swap_<split>.json`).
+    """The repository's shapes-world swap set (`datamodules/shapes/`, `annotations/swap_<split>.json`).
 
     Reports `text`, `image`, `group`, and `acc_<type>`, the
     2-way caption accuracy per swap type (attribute, relation, object) over both images of each item.
 
     Args:
         root: the shapes data root (holding `annotations/` and `images/`).
-        split: "val" (default) or "train".
+        split: "val" (default; the split for selection), "test" or "test_unseen" (held-out colour-shape
+            combinations and colour pairs; both for reporting only), or "train".
     """
 
     name = "shapes_swap"
