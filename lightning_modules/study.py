@@ -20,6 +20,10 @@ Settings come from the sweep file's `study:` block (copied into sweep.json), eve
         reference: frozen_cosine       # the frozen cosine (default: the one row scored by `clip`)
         methods: [tflocal, tfglobal]   # frozen-backbone methods: compared with the reference, not the baseline
       bootstrap: {resamples: 10000, seed: 0}
+      validity:                        # the testbed validity table (study_validity.py); optional
+        backbones: [runs/study/backbone, runs/study/backbone_seed1]  # run dirs or exports, one per pretraining seed
+        control: {method: clip_ft, negatives: with}   # the positive control: a grid cell, at its chosen setting
+        criteria: {relation_gain: 15, group_gain: 10, chance_margin: 5, ceiling: 95}  # these are the defaults
 
 What it does, in order:
 1. Scores every grid run whose export is complete on the selection split: the shapes swap set (per-item
@@ -29,18 +33,21 @@ What it does, in order:
    grid order on a tie). Only the selection split's numbers enter this choice.
 3. Scores the runs of the chosen settings on the reporting splits, with each method's own mechanism metrics
    (`mechanisms(run_dir, data_root, split) -> dict`, `lightning_modules.mechanisms.measure`), and the frozen rows
-   (nothing to select: reporting splits only). The runs of other settings are never scored on a reporting split.
+   (nothing to select: reporting splits only), and the validity backbones with the global cosine (`clip`) on
+   the reporting splits. The runs of other settings are never scored on a reporting split.
 4. Summarises per method x condition x split: the mean and Student-t 95% interval over seeds of each metric
    (`study_stats.seed_interval`), and the paired items x seeds bootstrap (`study_stats.paired_bootstrap`) of
    the group score and the 2-way relation accuracy of each method against the baseline in the same condition
    (frozen-backbone methods and the other frozen rows against the frozen reference).
 5. Writes `<out or sweep>/report/`: results.md, results.csv, differences.csv, scores_<split>.png,
-   validation_curves.png and tb_hparams/ (`tensorboard --logdir <sweep>/report/tb_hparams`): study_report.py.
+   validation_curves.png and tb_hparams/ (`tensorboard --logdir <sweep>/report/tb_hparams`): study_report.py;
+   with `validity`, its section in results.md (also printed), rows in results.csv and validity.json.
 
 Each run's scores are cached in `<run>/study_eval.json` with the per-item outcomes they were computed from (an
 independent bootstrap can be recomputed from them). The cache is keyed by the export's files (sizes and
 modification times), the scorer, and per split the data root and the split's annotation files; anything else is
-scored again. The frozen rows are cached under `<sweep>/study_frozen/<row>/`.
+scored again. The frozen rows are cached under `<sweep>/study_frozen/<row>/`, the validity backbones under
+`<sweep>/study_frozen/validity_<i>/` (i: the backbone's place in the list, from 0).
 """
 from __future__ import annotations
 
@@ -74,10 +81,14 @@ PAIRED_METRICS = ("group", "acc_relation")
 # The per-item fields kept in the cache (0/1), the two-by-two protocol's names (two_by_two.py).
 OUTCOME_FLAGS = ("text_i0", "text_i1", "image_c0", "image_c1", "text", "image", "group", "tie")
 
-STUDY_KEYS = ("data", "baseline", "selection", "splits", "frozen", "bootstrap")
+STUDY_KEYS = ("data", "baseline", "selection", "splits", "frozen", "bootstrap", "validity")
 SELECTION_KEYS = ("split", "metric")
 FROZEN_KEYS = ("backbone", "rows", "reference", "methods")
 BOOTSTRAP_KEYS = ("resamples", "seed")
+VALIDITY_KEYS = ("backbones", "control", "criteria")
+CONTROL_KEYS = ("method", "negatives")
+CRITERIA_KEYS = ("relation_gain", "group_gain", "chance_margin", "ceiling")
+VALIDITY_PREFIX = "validity_"  # the name (and cache folder) of validity backbone i: validity_<i>
 
 SplitEval = Dict[str, object]  # one run on one split: outcomes, aggregates, mechanisms (see `score_splits`)
 Evaluator = Callable[[Path, str, Path, Sequence[str]], Dict[str, SplitEval]]
@@ -101,6 +112,23 @@ class FrozenRows:
 
 
 @dataclass(frozen=True)
+class ValiditySettings:
+    """The testbed validity table: backbone exports (one per pretraining seed), the positive control cell and
+    the pass criteria (issue 15, deliverable 1; the defaults are the issue's numbers, in points)."""
+
+    backbones: Tuple[Path, ...]
+    control_method: str
+    control_condition: str
+    relation_gain: float = 15.0  # (b) control minus backbone, 2-way relation accuracy, at least
+    group_gain: float = 10.0  # (b) control minus backbone, swap group score, at least
+    chance_margin: float = 5.0  # (a) backbone 2-way relation within this of 50
+    ceiling: float = 95.0  # (a) backbone 2-way attribute below this
+
+    def names(self) -> List[str]:
+        return [f"{VALIDITY_PREFIX}{index}" for index in range(len(self.backbones))]
+
+
+@dataclass(frozen=True)
 class StudySettings:
     data: Path
     baseline: str = "clip_ft"
@@ -110,6 +138,7 @@ class StudySettings:
     frozen: Optional[FrozenRows] = None
     resamples: int = DEFAULT_RESAMPLES
     bootstrap_seed: int = 0
+    validity: Optional[ValiditySettings] = None
 
 
 def _mapping(value: object, where: str, keys: Sequence[str]) -> dict:
@@ -139,7 +168,7 @@ def parse_settings(study: Mapping[str, object], data: Optional[Path] = None) -> 
         selection_split=str(selection.get("split", StudySettings.selection_split)),
         selection_metric=str(selection.get("metric", StudySettings.selection_metric)), splits=tuple(splits),
         frozen=parse_frozen(study.get("frozen")), resamples=int(bootstrap.get("resamples", DEFAULT_RESAMPLES)),
-        bootstrap_seed=int(bootstrap.get("seed", 0)))
+        bootstrap_seed=int(bootstrap.get("seed", 0)), validity=parse_validity(study.get("validity")))
     check_settings(settings)
     return settings
 
@@ -167,6 +196,30 @@ def parse_frozen(frozen: object) -> Optional[FrozenRows]:
         raise StudyError(f"study.frozen.methods must be a list of method labels, got {methods!r}")
     return FrozenRows(backbone_export(Path(frozen["backbone"])), {str(k): str(v) for k, v in rows.items()},
                       str(reference), tuple(str(m) for m in methods))
+
+
+def parse_validity(validity: object) -> Optional[ValiditySettings]:
+    """study.validity as ValiditySettings (None when absent). The control's `negatives` may be left out only in
+    a grid without a `negatives` axis; whether the cell exists is checked against the grid (`check_grid`)."""
+    if validity is None:
+        return None
+    validity = _mapping(validity, "study.validity", VALIDITY_KEYS)
+    backbones = validity.get("backbones")
+    if not isinstance(backbones, list) or not backbones or not all(isinstance(b, str) and b for b in backbones):
+        raise StudyError("study.validity.backbones must be a non-empty list of backbone run directories or exports "
+                         f"(one per pretraining seed), got {backbones!r}")
+    control = _mapping(validity.get("control"), "study.validity.control", CONTROL_KEYS)
+    if not control.get("method"):
+        raise StudyError("study.validity.control needs the method of the positive control cell, e.g. "
+                         "{method: clip_ft, negatives: with}")
+    criteria = _mapping(validity.get("criteria"), "study.validity.criteria", CRITERIA_KEYS)
+    bad = {key: value for key, value in criteria.items()
+           if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)}
+    if bad:
+        raise StudyError(f"study.validity.criteria must be numbers (points), got {bad}")
+    return ValiditySettings(tuple(backbone_export(Path(b)) for b in backbones), str(control["method"]),
+                            str(control.get("negatives", NO_CONDITION)),
+                            **{key: float(value) for key, value in criteria.items()})
 
 
 def backbone_export(path: Path) -> Path:
@@ -256,6 +309,16 @@ def check_grid(study: Study) -> None:
         raise StudyError(f"study names methods {absent} that the grid does not have; its methods: {methods}")
     if settings.frozen and set(settings.frozen.rows) & set(methods):
         raise StudyError(f"frozen row labels {sorted(set(settings.frozen.rows) & set(methods))} repeat method labels")
+    validity = settings.validity
+    if validity:
+        cell = (validity.control_method, validity.control_condition)
+        cells = _unique((run.method, run.condition) for run in study.runs)
+        if cell not in cells:
+            raise StudyError(f"study.validity.control {{method: {cell[0]}, negatives: {cell[1]}}} is not a cell of "
+                             f"the grid; its cells: {[f'{m} ({c})' for m, c in cells]}")
+        taken = set(validity.names()) & set(settings.frozen.rows if settings.frozen else {})
+        if taken:
+            raise StudyError(f"frozen row labels {sorted(taken)} are the validity backbones' names; rename them")
     if not settings.data.is_dir():
         raise StudyError(f"the world {settings.data} does not exist (study.data or --data)")
 
@@ -440,6 +503,16 @@ def frozen_targets(study: Study) -> List[Target]:
     return [Target(label, frozen.export, scorer, frozen_cache(study, label)) for label, scorer in frozen.rows.items()]
 
 
+def validity_targets(study: Study) -> List[Target]:
+    """One target per validity backbone (global cosine), cached under <sweep>/study_frozen/validity_<i>/."""
+    validity = study.settings.validity
+    absent = [str(export) for export in validity.backbones if not (export / "model.json").is_file()]
+    if absent:
+        raise StudyError(f"study.validity.backbones: no export at {absent} (train the backbones first)")
+    return [Target(name, export, "clip", frozen_cache(study, name))
+            for name, export in zip(validity.names(), validity.backbones)]
+
+
 def frozen_cache(study: Study, label: str) -> Path:
     return study.directory / FROZEN_DIR / label / CACHE_FILE
 
@@ -478,6 +551,7 @@ def evaluate_study(study: Study, evaluator: Evaluator = score_splits, mechanisms
     """
     settings, evaluations = study.settings, Evaluations()
     frozen = frozen_targets(study) if settings.frozen else []  # a missing backbone stops before any scoring
+    validity = validity_targets(study) if settings.validity else []
     ready = []
     for run in study.runs:
         reason = missing_reason(run)
@@ -494,6 +568,8 @@ def evaluate_study(study: Study, evaluator: Evaluator = score_splits, mechanisms
                   evaluations, "report", progress, recompute)
     # Frozen rows have no setting to choose: the selection split would cost them time (SGI: minutes) for nothing.
     score_targets(frozen, settings.splits, settings.data, evaluator, None, evaluations, "frozen", progress,
+                  recompute)
+    score_targets(validity, settings.splits, settings.data, evaluator, None, evaluations, "validity", progress,
                   recompute)
     return evaluations, selections
 

@@ -9,7 +9,9 @@
   the cache file (`study_eval.json`) of each seed, whose per-item outcomes the numbers are computed from;
 - `scores_<split>.png` (group score and 2-way relation accuracy with their intervals),
   `validation_curves.png` (every run's `eval/shapes_swap/*` TensorBoard curve, a column per method);
-- `tb_hparams/`: one hparams session per scored run (`tensorboard --logdir <report>/tb_hparams`).
+- `tb_hparams/`: one hparams session per scored run (`tensorboard --logdir <report>/tb_hparams`);
+- with `study.validity`: the "Testbed validity" section of results.md (first, and printed), its rows in
+  results.csv (`validity/*`) and `validity.json` (study_validity.py).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from datamodules.files import atomic_write_text
 from lightning_modules.study import (METRICS, NO_CONDITION, PAIRED_METRICS, Cell, Comparison, Evaluations,
-                                     Selection, Study, Summary, comparisons, metric_values, study_cells, summarise)
+                                     Progress, Selection, Study, Summary, _finite, comparisons, metric_values,
+                                     study_cells, summarise)
 from lightning_modules.study_stats import Interval
 
 TITLES = {"text": "swap text", "image": "swap image", "group": "swap group", "acc_attribute": "2-way attribute",
@@ -37,14 +40,25 @@ TB_DIR = "tb_hparams"
 
 
 def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection],
-                 out_dir: Path) -> Path:
-    """Every report file under `out_dir`; returns the path of results.md."""
+                 out_dir: Path, progress: Progress = print) -> Path:
+    """Every report file under `out_dir`; returns the path of results.md. The testbed validity section, when
+    the study has one, also goes to `progress` (it is the first thing to read: can the testbed show a gain?)."""
+    from lightning_modules import study_validity  # it builds on this module's table helpers
+
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = study_cells(study, evaluations, selections)
     summaries = [summary for cell in cells for summary in summarise(cell)]
     differences = comparisons(cells, study.settings)
-    atomic_write_text(out_dir / "results.md", markdown(study, evaluations, selections, summaries, differences))
-    atomic_write_text(out_dir / "results.csv", results_csv(summaries))
+    validity, validity_lines, validity_rows = None, [], []
+    if study.settings.validity:
+        validity = study_validity.measure_validity(study, evaluations, cells)
+        validity_lines = study_validity.markdown_section(validity, study.settings.selection_split)
+        validity_rows = study_validity.csv_rows(validity)
+        atomic_write_text(out_dir / "validity.json", json.dumps(_finite(study_validity.as_json(validity)), indent=2))
+        progress("\n".join(validity_lines))
+    atomic_write_text(out_dir / "results.md", markdown(study, evaluations, selections, summaries, differences,
+                                                       validity_lines))
+    atomic_write_text(out_dir / "results.csv", results_csv(summaries, validity_rows))
     atomic_write_text(out_dir / "differences.csv", differences_csv(differences))
     atomic_write_text(out_dir / "selection.csv", selection_csv(study, selections))
     atomic_write_text(out_dir / "cells.json", cells_manifest(cells))
@@ -81,9 +95,11 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: in
 
 
 def markdown(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection],
-             summaries: Sequence[Summary], differences: Sequence[Comparison]) -> str:
+             summaries: Sequence[Summary], differences: Sequence[Comparison],
+             validity_lines: Sequence[str] = ()) -> str:
     settings = study.settings
     lines = [f"# Study report: {study.directory.name}", ""] + preamble(study, evaluations) + [""]
+    lines += list(validity_lines)
     for split in settings.splits:
         lines += [f"## Scores on `{split}` (mean [95% t-interval over seeds], setting chosen on "
                   f"`{settings.selection_split}`)", ""]
@@ -217,10 +233,11 @@ def _csv(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return buffer.getvalue()
 
 
-def results_csv(summaries: Sequence[Summary]) -> str:
+def results_csv(summaries: Sequence[Summary], extra_rows: Sequence[Sequence[object]] = ()) -> str:
+    """The summaries, then `extra_rows` in the same columns (the testbed validity rows)."""
     return _csv(["method", "negatives", "split", "metric", "mean", "low", "high", "n_seeds", "lr"],
                 [[s.method, s.condition, s.split, s.metric, s.interval.estimate, s.interval.low, s.interval.high,
-                  s.n_seeds, s.setting] for s in summaries])
+                  s.n_seeds, s.setting] for s in summaries] + [list(row) for row in extra_rows])
 
 
 def differences_csv(differences: Sequence[Comparison]) -> str:

@@ -6,7 +6,9 @@ A study scores every run (one method, condition and seed) on the same items. Two
 - does it beat the reference method (CLIP-FT) in the same condition: the difference of means with a paired
   bootstrap interval (`paired_bootstrap`) that resamples items and seeds together, so both the test-set
   sampling and the training noise of the seeds enter the interval. Items are paired (the same item for both
-  methods); seeds are paired by index (seed i of both methods started from the same data order).
+  methods); seeds are paired by index (seed i of both methods started from the same data order);
+- how far apart are two unpaired seed sets (a fine-tuned cell and the pretraining seeds of its backbones, the
+  testbed validity table): the difference of means with Welch's t-interval (`difference_interval`).
 """
 from __future__ import annotations
 
@@ -69,8 +71,9 @@ def _log_beta(a: float, b: float) -> float:
     return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
 
 
-def student_t_quantile(probability: float, df: int) -> float:
-    """The `probability` quantile of Student's t with `df` degrees of freedom (bisection on the CDF)."""
+def student_t_quantile(probability: float, df: float) -> float:
+    """The `probability` quantile of Student's t with `df` degrees of freedom, not necessarily whole (Welch)
+    (bisection on the CDF)."""
     if not 0.0 < probability < 1.0 or df < 1:
         raise ValueError(f"need 0 < probability < 1 and df >= 1, got {probability}, {df}")
     low, high = -1e4, 1e4
@@ -93,6 +96,28 @@ def seed_interval(values: Sequence[float], level: float = DEFAULT_LEVEL) -> Inte
         return Interval(mean, math.nan, math.nan)
     half = student_t_quantile(0.5 + level / 2, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size)
     return Interval(mean, mean - half, mean + half)
+
+
+def difference_interval(first: Sequence[float], second: Sequence[float], level: float = DEFAULT_LEVEL) -> Interval:
+    """Difference of two means over independent seed sets (first - second) with Welch's t-interval.
+
+    For two groups of runs that share no pairing (e.g. a fine-tuned cell's seeds against the pretraining seeds of
+    its backbones, possibly different counts): standard error sqrt(s1^2/n1 + s2^2/n2), degrees of freedom by
+    Welch-Satterthwaite. Fewer than two values on either side gives NaN bounds; no spread at all, a point.
+    """
+    first, second = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
+    if first.size == 0 or second.size == 0:
+        raise ValueError("no values to compare")
+    difference = float(first.mean() - second.mean())
+    if first.size < 2 or second.size < 2:
+        return Interval(difference, math.nan, math.nan)
+    shares = first.var(ddof=1) / first.size, second.var(ddof=1) / second.size
+    variance = shares[0] + shares[1]
+    if variance == 0.0:
+        return Interval(difference, difference, difference)
+    df = variance ** 2 / (shares[0] ** 2 / (first.size - 1) + shares[1] ** 2 / (second.size - 1))
+    half = student_t_quantile(0.5 + level / 2, df) * math.sqrt(variance)
+    return Interval(difference, difference - half, difference + half)
 
 
 def paired_bootstrap(method: np.ndarray, reference: np.ndarray, resamples: int = DEFAULT_RESAMPLES,

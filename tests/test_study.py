@@ -17,9 +17,9 @@ import torch
 
 from datamodules.benchmarks.two_by_two import ShapesSwap
 from lightning_modules import study as study_module
-from lightning_modules.study import (CACHE_FILE, FROZEN_DIR, Evaluations, StudyError, cached_scores,
-                                     evaluate_study, export_fingerprint, item_values, load_study, parse_settings,
-                                     select_settings, split_fingerprint)
+from lightning_modules.study import (CACHE_FILE, FROZEN_DIR, Evaluations, StudyError, StudySettings,
+                                     cached_scores, evaluate_study, export_fingerprint, item_values, load_study,
+                                     parse_settings, select_settings, split_fingerprint)
 from lightning_modules.study_report import read_curves, write_report
 from lightning_modules.study_stats import seed_interval
 
@@ -401,14 +401,14 @@ def test_the_cache_is_invalidated_by_the_export_and_the_data(tmp_path):
 
 # ----- end to end ---------------------------------------------------------------------------------------------------
 def tiny_world(root: Path) -> Path:
-    """A generated shapes world whose `test` and `test_unseen` splits are copies of `val` (same layout)."""
+    """A generated shapes world whose `test` and `test_unseen` splits are made copies of `val` (same layout)."""
     from datamodules.shapes import generate
 
     generate(root, n_train=4, n_val=6, image_size=64, seed=0, n_swap=6)
     for split in ("test", "test_unseen"):
         for kind in ("captions", "swap"):
             shutil.copy(root / "annotations" / f"{kind}_val.json", root / "annotations" / f"{kind}_{split}.json")
-        shutil.copytree(root / "images" / "val", root / "images" / split)
+        shutil.copytree(root / "images" / "val", root / "images" / split, dirs_exist_ok=True)  # over its own
     return root
 
 
@@ -454,3 +454,169 @@ def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsy
     capsys.readouterr()
     study_module.main(["--sweep", str(sweep), "--out", str(tmp_path / "out")])
     assert "scored in" not in capsys.readouterr().out  # the second report reads every cache
+
+
+# ----- testbed validity -----------------------------------------------------------------------------------------------
+BACKBONE_SEEDS = 3
+
+
+def add_validity(tmp_path: Path, sweep: Path, validity: dict | None = None) -> Path:
+    """Three backbone exports (run dirs), their global-cosine scores cached under study_frozen/validity_<i>/, and
+    a `validity` block naming them with clip_ft (with) as the control."""
+    document = json.loads((sweep / "sweep.json").read_text())
+    data = Path(document["study"]["data"])
+    rng = np.random.default_rng(7)
+    backbones = []
+    for index in range(BACKBONE_SEEDS):
+        export = write_export(tmp_path / f"pretrain_seed{index}")
+        scores = {split: split_scores(draw_outcomes(0.5, rng), data, split, rng) for split in ("test", "test_unseen")}
+        write_cached(sweep / FROZEN_DIR / f"validity_{index}", "clip", scores, export)
+        backbones.append(str(tmp_path / f"pretrain_seed{index}"))
+    document["study"]["validity"] = {"backbones": backbones, "control": {"method": "clip_ft", "negatives": "with"},
+                                     **(validity or {})}
+    (sweep / "sweep.json").write_text(json.dumps(document))
+    return sweep
+
+
+def hand_metric(outcomes: list, metric: str) -> float:
+    """A metric of one scoring from its stored outcomes, spelled out (2-way: both caption choices per item)."""
+    if metric == "group":
+        return 100.0 * sum(o["group"] for o in outcomes) / len(outcomes)
+    kind = metric[len("acc_"):]
+    hits = [o[flag] for o in outcomes if o["type"] == kind for flag in ("text_i0", "text_i1")]
+    return 100.0 * sum(hits) / len(hits)
+
+
+def welch(first: list, second: list) -> tuple:
+    """Welch's difference interval written out (95%)."""
+    from lightning_modules.study_stats import student_t_quantile
+
+    a, b = np.var(first, ddof=1) / len(first), np.var(second, ddof=1) / len(second)
+    df = (a + b) ** 2 / (a ** 2 / (len(first) - 1) + b ** 2 / (len(second) - 1))
+    half = student_t_quantile(0.975, df) * np.sqrt(a + b)
+    difference = np.mean(first) - np.mean(second)
+    return difference, difference - half, difference + half
+
+
+@pytest.fixture(scope="module")
+def validity_report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("validity")
+    sweep = add_validity(root, make_sweep(root))
+    study = load_study(sweep)
+    evaluations, selections = evaluate_study(study, no_scoring, progress=lambda line: None)  # every split cached
+    printed = []
+    results = write_report(study, evaluations, selections, sweep / "report", progress=printed.append)
+    return sweep, study, evaluations, selections, results, printed
+
+
+def test_difference_interval_matches_the_t_table():
+    from lightning_modules.study_stats import difference_interval
+
+    # n = 3 + 3, both variances 1: standard error sqrt(2/3), Welch df = 4, t_0.975(4) = 2.776445 (tables)
+    interval = difference_interval([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+    half = 2.776445 * np.sqrt(2 / 3)
+    assert (interval.estimate, interval.low, interval.high) == pytest.approx((-3.0, -3.0 - half, -3.0 + half),
+                                                                             rel=1e-5)
+    assert np.isnan(difference_interval([1.0], [2.0, 3.0]).low)  # one value: no interval
+
+
+def test_validity_numbers_are_seed_intervals_of_the_stored_outcomes(validity_report):
+    sweep, _, _, _, results, _ = validity_report
+    rows = {(r["method"], r["split"], r["metric"]): r for r in read_csv(results.parent / "results.csv")}
+    document = json.loads((results.parent / "validity.json").read_text())
+    for split in ("test", "test_unseen"):
+        for metric in ("acc_relation", "acc_attribute", "acc_object", "group"):
+            backbone = [hand_metric(stored(sweep / FROZEN_DIR, f"validity_{i}", split), metric)
+                        for i in range(BACKBONE_SEEDS)]
+            control = [hand_metric(stored(sweep, f"method-clip_ft_negatives-with_lr-0.001_seed-{s}", split), metric)
+                       for s in range(3)]
+            for who, values in (("backbone", backbone), ("control", control)):
+                expected = seed_interval(values)
+                row = rows[(f"validity/{who}", split, metric)]
+                assert (float(row["mean"]), float(row["low"]), float(row["high"])) == \
+                       pytest.approx((expected.estimate, expected.low, expected.high), rel=1e-9)
+                assert document["splits"][split][who][metric]["values"] == pytest.approx(values, rel=1e-12)
+            gain = rows[("validity/gain", split, metric)]
+            assert (float(gain["mean"]), float(gain["low"]), float(gain["high"])) == \
+                   pytest.approx(welch(control, backbone), rel=1e-6)
+            assert gain["n_seeds"] == "3 + 3" and gain["lr"] == "lr=0.001"
+    for metric in ("acc_relation", "group"):  # the control's gap, paired by seed
+        per_seed = [hand_metric(stored(sweep, f"method-clip_ft_negatives-with_lr-0.001_seed-{s}", "test"), metric)
+                    - hand_metric(stored(sweep, f"method-clip_ft_negatives-with_lr-0.001_seed-{s}", "test_unseen"),
+                                  metric) for s in range(3)]
+        row = rows[("validity/gap", "test-test_unseen", metric)]
+        assert float(row["mean"]) == pytest.approx(seed_interval(per_seed).estimate, rel=1e-9)
+        assert float(row["high"]) == pytest.approx(seed_interval(per_seed).high, rel=1e-9)
+
+
+def test_validity_section_is_written_and_printed_and_shows_every_check(validity_report):
+    _, study, _, _, results, printed = validity_report
+    text = results.read_text()
+    section = text.split("## Testbed validity")[1].split("\n## ")[0]
+    assert len(printed) == 1 and printed[0] in text and printed[0].startswith("## Testbed validity")
+    assert "### `test`" in section and "### `test_unseen`" in section
+    assert "| control: clip_ft (with) | 3 |" in section and "| backbone (global cosine) | 3 |" in section
+    document = json.loads((results.parent / "validity.json").read_text())
+    checks = document["checks"]
+    assert [(c["check"], c["split"]) for c in checks] == [("a", "test"), ("b", "test"), ("a", "test_unseen"),
+                                                          ("b", "test_unseen"), ("c", None)]
+    for check in checks:
+        assert f"**{'PASS' if check['passed'] else 'FAIL'}** ({check['check']})" in section
+    assert document["passed"] == all(c["passed"] for c in checks)
+    assert checks[-1]["passed"] and "gap `test` - `test_unseen` (paired over 3 seeds)" in checks[-1]["detail"]
+
+
+def test_validity_checks_pass_and_fail_at_their_criteria(validity_report):
+    from dataclasses import replace
+
+    from lightning_modules.study import study_cells
+    from lightning_modules.study_validity import measure_validity
+
+    _, study, evaluations, selections, _, _ = validity_report
+    cells = study_cells(study, evaluations, selections)
+    measured = measure_validity(study, evaluations, cells).splits[0]  # test
+    relation = measured.backbone["acc_relation"].interval.estimate
+    attribute = measured.backbone["acc_attribute"].interval.estimate
+    gains = measured.gains["acc_relation"].estimate, measured.gains["group"].estimate
+    assert abs(relation - 50) > 0.2 and min(gains) > 0.2  # room for the thresholds either side
+
+    def checks(settings: StudySettings | None = None, **criteria) -> dict:
+        measured_study = replace(study, settings=replace(study.settings, validity=replace(
+            study.settings.validity, **criteria)) if settings is None else settings)
+        found = measure_validity(measured_study, evaluations, study_cells(measured_study, evaluations, selections))
+        return {(c.key, c.split): c for c in found.checks}
+
+    near = dict(chance_margin=abs(relation - 50) + 0.1, ceiling=attribute + 0.1)
+    assert checks(**near)[("a", "test")].passed
+    assert not checks(**{**near, "chance_margin": abs(relation - 50) - 0.1})[("a", "test")].passed
+    failed = checks(**{**near, "ceiling": attribute - 0.1})[("a", "test")]
+    assert not failed.passed and f"< {attribute - 0.1:g}: no" in failed.detail
+    reach = dict(relation_gain=gains[0] - 0.1, group_gain=gains[1] - 0.1)
+    assert checks(**reach)[("b", "test")].passed
+    assert not checks(**{**reach, "relation_gain": gains[0] + 0.1})[("b", "test")].passed
+    failed = checks(**{**reach, "group_gain": gains[1] + 0.1})[("b", "test")]
+    assert not failed.passed and "swap group gain" in failed.detail and ": no)" in failed.detail
+    without_unseen = checks(replace(study.settings, splits=("test",)))
+    assert not without_unseen[("c", None)].passed
+    assert "`test_unseen` is not a reporting split" in without_unseen[("c", None)].detail
+
+
+def test_bad_validity_settings_are_named(tmp_path):
+    block = {"backbones": ["b0"], "control": {"method": "clip_ft", "negatives": "with"}}
+    with pytest.raises(StudyError, match=r"study.validity: unknown keys \['controls'\]"):
+        parse_settings({"data": "x", "validity": {**block, "controls": {}}})
+    with pytest.raises(StudyError, match=r"study.validity.criteria: unknown keys \['relation'\]"):
+        parse_settings({"data": "x", "validity": {**block, "criteria": {"relation": 15}}})
+    with pytest.raises(StudyError, match="criteria must be numbers"):
+        parse_settings({"data": "x", "validity": {**block, "criteria": {"ceiling": "high"}}})
+    with pytest.raises(StudyError, match="backbones must be a non-empty list"):
+        parse_settings({"data": "x", "validity": {**block, "backbones": []}})
+    with pytest.raises(StudyError, match="control needs the method"):
+        parse_settings({"data": "x", "validity": {**block, "control": {"negatives": "with"}}})
+    with pytest.raises(StudyError, match=r"control \{method: clip_ft, negatives: sometimes\} is not a cell"):
+        load_study(add_validity(tmp_path / "a", make_sweep(tmp_path / "a"),
+                                {"control": {"method": "clip_ft", "negatives": "sometimes"}}))
+    sweep = add_validity(tmp_path / "b", make_sweep(tmp_path / "b"))
+    shutil.rmtree(tmp_path / "b" / "pretrain_seed1")
+    with pytest.raises(StudyError, match="validity.backbones: no export at .*pretrain_seed1"):
+        evaluate_study(load_study(sweep), no_scoring, progress=lambda line: None)
