@@ -33,6 +33,7 @@ COLUMNS = [("text", "swap text"), ("image", "swap image"), ("group", "swap group
                                                                 ("attr_gap", "attr gap x100")]
 # Validation captions of the attribution-gap probe (the attention attribution, as CAE's demo trains it).
 PROBE_SIZE = 200
+STUDY_REPORT = "runs/study/sweep/report"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -41,7 +42,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--run", action="append", required=True,
                         help="LABEL=RUN_DIR or LABEL=RUN_DIR@SCORER (e.g. @sgi; repeatable). Aligner runs "
                              "(TFLocal / TFGlobal) are scored by their aligner")
-    parser.add_argument("--split", default="val")
+    parser.add_argument("--split", default="test", help="the split scored (test: val is kept for selection)")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -135,6 +136,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     print("\nTensorBoard: tensorboard --logdir runs")
+    print(f"The demo is a quick tour (one seed, no selection). The controlled method study (every method under "
+          f"equal conditions, learning rates chosen on validation, 3 seeds, intervals, paired bootstrap against "
+          f"CLIP-FT): `make study`, table and plots in {STUDY_REPORT}/results.md (README, 'Method study').")
 
 
 if __name__ == "__main__":

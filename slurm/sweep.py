@@ -11,6 +11,8 @@ A sweep file names the config files every run starts from, a grid, fixed overrid
         clip_cae: [method.name=clip_cae, data.masks=true]
       seed: [0, 1]                    # a config key with its values
     overrides: [trainer.max_steps=300]
+    exclude:                          # combinations left out of the product: every axis: label pair must match
+      - {method: clip_cae, seed: 1}
     slurm: {nodes: 1, gpus_per_node: 0, cpus_per_task: 2, time: "02:00:00"}
 
 Every combination becomes one run with a stable directory named from its grid choices
@@ -46,7 +48,7 @@ from datamodules.files import atomic_write_text
 SWEEP_FILE = "sweep.json"
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
                   "mem": None, "max_parallel": None, "extra": []}
-SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "slurm", "study"}
+SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "exclude", "slurm", "study"}
 RUN_LOG = "sweep.log"
 # Thread-count variables a child run gets under --jobs: torch's intra-op pool reads OMP_NUM_THREADS at start.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -97,7 +99,9 @@ def load_sweep(path: Path) -> Sweep:
     study = spec.get("study") or {}
     if not isinstance(study, dict):
         raise SweepError(f"{path}: study must be a mapping of report settings, got {type(study).__name__}")
-    runs = expand(spec.get("grid") or {}, list(spec.get("configs") or []), list(spec.get("overrides") or []))
+    grid = spec.get("grid") or {}
+    runs = expand(grid, list(spec.get("configs") or []), list(spec.get("overrides") or []))
+    runs = excluded(runs, checked_exclusions(path, grid, spec.get("exclude") or []))
     return Sweep(spec["name"], str(spec.get("runs_root", "runs/sweeps")), runs, slurm, study)
 
 
@@ -126,6 +130,26 @@ def expand(grid: Dict[str, object], configs: List[str], overrides: List[str]) ->
     if len(set(names)) != len(names):
         raise SweepError(f"two grid combinations get the same run name: {sorted(names)}")
     return runs
+
+
+def checked_exclusions(path: Path, grid: Dict[str, object], exclude) -> List[Dict[str, str]]:
+    """The `exclude` entries as {axis: "axis-label"}; an axis or label the grid lacks is a typo, named here."""
+    if not isinstance(exclude, list) or not all(isinstance(entry, dict) and entry for entry in exclude):
+        raise SweepError(f"{path}: exclude must be a list of non-empty {{axis: label}} mappings")
+    labels = {key: {label.split("-", 1)[1] for label, _ in axis_choices(key, values)} for key, values in grid.items()}
+    for entry in exclude:
+        for axis, label in entry.items():
+            if axis not in labels or str(label) not in labels[axis]:
+                raise SweepError(f"{path}: exclude names {axis}: {label}, which the grid does not have "
+                                 f"(axes and labels: {({k: sorted(v) for k, v in labels.items()})})")
+    return [{axis: f"{axis}-{label}" for axis, label in entry.items()} for entry in exclude]
+
+
+def excluded(runs: List[Run], exclusions: List[Dict[str, str]]) -> List[Run]:
+    """`runs` without those whose choices match every pair of some exclusion (e.g. a method with no condition)."""
+    def matches(run: Run, exclusion: Dict[str, str]) -> bool:
+        return all(run.choices.get(axis) == label for axis, label in exclusion.items())
+    return [run for run in runs if not any(matches(run, exclusion) for exclusion in exclusions)]
 
 
 def slug(text: str) -> str:

@@ -19,7 +19,7 @@ import yaml
 from datamodules.shapes import generate
 from slurm.localcluster import LocalSlurm
 from slurm import sweep as sweep_module
-from slurm.sweep import RUN_LOG, expand, export_complete, load_sweep, local_threads, main as sweep_main, run_local
+from slurm.sweep import RUN_LOG, expand, export_complete, load_sweep, local_threads, main as sweep_main, run_local, SweepError
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 150
@@ -65,6 +65,18 @@ def test_grid_expansion_names_runs_from_their_choices(tmp_path):
     assert runs[2].configs == ["base.yaml", "x.yaml"]
     assert runs[2].overrides == ["trainer.max_steps=5", "method.name=clip_cae", "seed=0"]
     assert runs[0].fit_args("r")[-2:] == ["experiment=method-ft_seed-0", "runs_root=r"]
+
+
+def test_excluded_combinations_are_left_out_and_typos_named(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text("name: x\ngrid:\n  negatives: {without: [a=0], with: [a=1]}\n  method: {ft: [m=ft], tfl: [m=tfl]}\n"
+                    "  seed: [0, 1]\nexclude:\n  - {negatives: without, method: tfl}\n")
+    names = [run.name for run in load_sweep(path).runs]
+    assert len(names) == 6 and not any("without_method-tfl" in name for name in names)
+    assert "negatives-with_method-tfl_seed-1" in names and "negatives-without_method-ft_seed-0" in names
+    path.write_text(path.read_text().replace("method: tfl}", "method: tflocal}"))
+    with pytest.raises(SweepError, match="exclude names method: tflocal"):
+        load_sweep(path)
 
 
 def test_dry_run_prints_the_array_script_and_every_run(tmp_path, capsys):
