@@ -763,8 +763,14 @@ def comparisons(cells: Sequence[Cell], settings: StudySettings) -> List[Comparis
 
 
 # ----- command line -------------------------------------------------------------------------------------------
-def load_mechanisms() -> Optional[Mechanisms]:
-    """`lightning_modules.mechanisms.measure` when that module exists (None, with a notice, when it does not)."""
+def load_mechanisms(limit: Optional[int] = None, splits: Optional[Sequence[str]] = None) -> Optional[Mechanisms]:
+    """`lightning_modules.mechanisms.measure` when that module exists (None, with a notice, when it does not).
+
+    Args:
+        limit: captions / samples per measurement (None: measure's default).
+        splits: measure only these splits (None: every reporting split); the others get no mechanism metrics, so
+            a long study can spend its mechanism budget on the split it reports them for.
+    """
     try:
         from lightning_modules.mechanisms import measure
     except ModuleNotFoundError as err:
@@ -772,7 +778,11 @@ def load_mechanisms() -> Optional[Mechanisms]:
             raise  # the module exists but one of its own imports is missing: a real error
         print("notice: lightning_modules.mechanisms is not available; the report has no mechanism metrics")
         return None
-    return measure
+    options = {} if limit is None else {"limit": limit}
+
+    def measured(run_dir: Path, data: Path, split: str) -> Dict[str, float]:
+        return measure(run_dir, data, split, **options) if splits is None or split in splits else {}
+    return measured
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -782,6 +792,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, help="the world to score (default: study.data of the sweep)")
     parser.add_argument("--out", type=Path, help="write the report to OUT/report/ (default: SWEEP/report/)")
     parser.add_argument("--recompute", action="store_true", help="score everything again, ignoring the caches")
+    parser.add_argument("--mechanism-limit", type=int, help="captions per mechanism measurement (default 256)")
+    parser.add_argument("--mechanism-splits", help="comma-separated splits to measure mechanisms on (default: all "
+                                                   "reporting splits)")
     return parser.parse_args(argv)
 
 
@@ -791,7 +804,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     args = parse_args(argv)
     try:
         study = load_study(args.sweep, args.data)
-        evaluations, selections = evaluate_study(study, mechanisms=load_mechanisms(), recompute=args.recompute)
+        evaluations, selections = evaluate_study(study, mechanisms=load_mechanisms(
+            args.mechanism_limit, args.mechanism_splits.split(",") if args.mechanism_splits else None),
+            recompute=args.recompute)
         results = write_report(study, evaluations, selections, (args.out or args.sweep) / "report")
     except StudyError as err:
         raise SystemExit(f"study error: {err}") from None

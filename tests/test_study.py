@@ -430,7 +430,7 @@ def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsy
     study = {"data": str(data), "frozen": {"backbone": str(tmp_path / "backbone"), "rows": {"cosine": "clip"}}}
     (sweep / "sweep.json").write_text(json.dumps({"name": "e2e", "runs_root": str(sweep), "runs": runs,
                                                   "study": study}))
-    monkeypatch.setattr(study_module, "load_mechanisms", lambda: gap_mechanism)
+    monkeypatch.setattr(study_module, "load_mechanisms", lambda *args: gap_mechanism)
     results = study_module.main(["--sweep", str(sweep), "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert results == tmp_path / "out" / "report" / "results.md" and f"report: {results}" in out
@@ -620,3 +620,17 @@ def test_bad_validity_settings_are_named(tmp_path):
     shutil.rmtree(tmp_path / "b" / "pretrain_seed1")
     with pytest.raises(StudyError, match="validity.backbones: no export at .*pretrain_seed1"):
         evaluate_study(load_study(sweep), no_scoring, progress=lambda line: None)
+
+
+def test_mechanisms_are_measured_on_the_chosen_splits_with_the_chosen_limit(monkeypatch):
+    import lightning_modules.mechanisms as mechanisms_module
+
+    calls = []
+    monkeypatch.setattr(mechanisms_module, "measure",
+                        lambda run_dir, data, split, limit=256: calls.append((split, limit)) or {"x": 1.0})
+    measured = study_module.load_mechanisms(limit=32, splits=["test"])
+    assert measured(Path("r"), Path("d"), "test") == {"x": 1.0}
+    assert measured(Path("r"), Path("d"), "test_unseen") == {}
+    assert calls == [("test", 32)]
+    study_module.load_mechanisms()(Path("r"), Path("d"), "test_unseen")
+    assert calls[-1] == ("test_unseen", 256)
