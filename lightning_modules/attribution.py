@@ -12,7 +12,9 @@ caption b), non-zero only on the content tokens 1..EOS-1 (SOT, EOS and padding a
   object / attribute / relation word is replaced by K words of its kind (`WordReplacements`, drawn by
   `draw_word_replacements`), spliced in as their own BPE ids (lengths may differ; EOS moves with them), and
   the K drops are averaged; words of no kind get 0. With `replacement="token"` [ours] every word's tokens are
-  replaced once by `replacement_id`;
+  replaced once by `replacement_id`. Either way the causal text tower runs each perturbed caption only from
+  its replaced word to its own EOS, attending to the original caption's keys and values before the word (the
+  same numbers as whole forwards up to float rounding, gradients included);
 - `gradient`: a_t = sum_d |dS / de_{t,d}| over the token embedding e_t;
 - `grad_eclip`: Grad-ECLIP's text map (last `eclip_layers` blocks, EOS row, loosened attention). The
   published map re-runs the explained blocks with one full-width head (`heads="single"`) and min-max scales

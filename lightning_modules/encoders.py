@@ -326,23 +326,27 @@ def _continuation_mask(start: Tensor, prefix: int, length: int) -> Tensor:
     return torch.cat([shared, causal.expand(len(start), -1, -1)], dim=2).unsqueeze(1)
 
 
-def _continuation_block(block: ResidualAttentionBlock, x: Tensor, prefix_keys: Tensor, prefix_values: Tensor,
-                        mask: Tensor, query_rows: Optional[Tensor] = None) -> Tensor:
-    """One pre-LN block on continuation positions x [P, S, W] that also attend to their prefix's keys and
-    values [P, heads, prefix, W / heads]; with `query_rows` [P, 1, 1] only that row of each continuation is
-    computed (its keys and values still come from every row) and the result is [P, 1, W]."""
+def _continuation_block(block: ResidualAttentionBlock, x: Tensor, placed: Tensor, prefix_keys: Tensor,
+                        prefix_values: Tensor, mask: Tensor, eos: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+    """One pre-LN block on the continuations' rows x [R, W], packed without padding (`placed` [P, S] marks the
+    R positions they hold in the padded [P, S] layout): the row-wise layers run on the R rows, the attention on
+    the padded layout, each continuation attending to its prefix's keys and values [P, heads, prefix, W / heads]
+    too. With `eos` (each continuation's last position [P] and the packed index of that row [P]) only the EOS
+    rows are computed after the attention (their keys and values still come from every row): [P, W]."""
     attn = block.attn
-    batch, length, width = x.shape
-    heads = attn.num_heads
-    qkv = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias)
+    batch, length = placed.shape
+    width, heads = x.shape[-1], attn.num_heads
+    qkv = x.new_zeros(batch, length, 3 * width)
+    qkv[placed] = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias)
     q, k, v = qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
-    if query_rows is not None:
-        q = q.gather(2, query_rows.unsqueeze(-1).expand(-1, heads, 1, q.shape[-1]))
-        mask = mask.gather(2, query_rows.unsqueeze(-1).expand(-1, 1, 1, mask.shape[-1]))
-        x = x.gather(1, query_rows.expand(-1, 1, width))
+    if eos is not None:
+        eos_position, eos_row = eos
+        rows = torch.arange(batch, device=x.device)
+        q, mask, x = q[rows, :, eos_position].unsqueeze(2), mask[rows, :, eos_position].unsqueeze(2), x[eos_row]
     keys, values = torch.cat([prefix_keys, k], dim=2), torch.cat([prefix_values, v], dim=2)
-    context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    x = x + block.ls_1(attn.out_proj(context.transpose(1, 2).reshape(batch, -1, width)))
+    context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).transpose(1, 2).reshape(batch, -1, width)
+    context = context[:, 0] if eos is not None else context[placed]
+    x = x + block.ls_1(attn.out_proj(context))
     return x + block.ls_2(block.mlp(block.ln_2(x)))
 
 
@@ -431,9 +435,10 @@ class CLIPEncoders(nn.Module):
         The tower is causal, so the hidden states before `start[p]` are the source caption's. Each block's keys
         and values there are computed from the source's input to that block (`source_block_inputs[l]`
         [B, L, width], `TextFeatures.block_inputs`, kept in the autograd graph: gradients reach the weights
-        through the shared prefix as through a full forward). The continuations are padded to the longest one;
-        the last block runs the EOS query alone, the only row pooled. Equal to `encode_text(ids).pooled` up to
-        float rounding (other matrix shapes).
+        through the shared prefix as through a full forward). The row-wise layers run on the continuations' own
+        positions only (no padding), the attention on them padded to the longest; the last block computes the EOS
+        rows alone, the only ones pooled. Equal to `encode_text(ids).pooled` up to float rounding (other matrix
+        shapes).
         """
         if not self.shares_text_prefixes:
             raise ValueError("encode_text_continuations needs a causal text tower pooled at its EOS token")
@@ -444,18 +449,18 @@ class CLIPEncoders(nn.Module):
         lengths = eos_position(ids) - start + 1  # [P] tokens from start to EOS, both included
         prefix = int(start.max())
         offsets = torch.arange(int(lengths.max()), device=ids.device)
-        positions = (start.unsqueeze(1) + offsets).clamp(max=ids.shape[1] - 1)  # [P, S]; padding rows repeat
-        x = m.token_embedding(ids.gather(1, positions)).to(m.transformer.get_cast_dtype())
+        placed = offsets < lengths.unsqueeze(1)  # [P, S]
+        positions = (start.unsqueeze(1) + offsets)[placed]  # [R], the packed rows' positions in their captions
+        x = m.token_embedding(ids[placed.nonzero(as_tuple=True)[0], positions]).to(m.transformer.get_cast_dtype())
         x = x + m.positional_embedding[positions].to(x.dtype)
         mask = _continuation_mask(start, prefix, len(offsets))
-        eos_rows = (lengths - 1).view(-1, 1, 1)
+        eos = (lengths - 1, torch.cumsum(lengths, dim=0) - 1)
         for index, (block, source_x) in enumerate(zip(blocks, source_block_inputs)):
             _check_supported_block(block)
             keys, values = _prefix_keys_values(block, source_x[:, :prefix])
             last = index == len(blocks) - 1
-            x = _continuation_block(block, x, keys[source], values[source], mask,
-                                    query_rows=eos_rows if last else None)
-        return _project(m.ln_final(x[:, 0]), m.text_projection)
+            x = _continuation_block(block, x, placed, keys[source], values[source], mask, eos if last else None)
+        return _project(m.ln_final(x), m.text_projection)
 
     def text_tokens(self, x: Tensor) -> Tensor:
         """ln_final and the text projection of the tower's output sequence [B, L, width]."""
