@@ -8,13 +8,14 @@ outputs equal open_clip's own.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import open_clip
 import torch
@@ -228,12 +229,32 @@ def mlp_recomputing_activation(mlp: nn.Module, x: Tensor) -> Tensor:
     Autograd would keep the activation's input and output (QuickGELU also its sigmoid): two or three [N, 4W]
     tensors per block; this keeps the input and c_proj's [N, W] output, a fifth (GELU) to a third (QuickGELU)
     less of a tower's activation memory. The recomputation runs the same kernels on the same input, so values
-    and gradients are the same bit for bit; it costs one elementwise activation per block.
+    and gradients are the same bit for bit; it costs one elementwise activation per block. Under autocast
+    c_proj's weight is cast at every forward (`_autocast_without_cast_cache`), so when one autocast region runs a
+    tower twice, that weight's gradient adds the two forwards' parts in float32 rather than in the autocast
+    dtype: the values are the same, that gradient differs by the low-precision rounding.
     """
     first, rest = mlp[0], mlp[1:]
     hidden = first(x)
     context = functools.partial(create_selective_checkpoint_contexts, _keep_matrix_products)
-    return checkpoint(rest, hidden, use_reentrant=False, context_fn=context, **_CHECKPOINT_OPTIONS)
+    with _autocast_without_cast_cache(hidden.device.type):
+        return checkpoint(rest, hidden, use_reentrant=False, context_fn=context, **_CHECKPOINT_OPTIONS)
+
+
+@contextlib.contextmanager
+def _autocast_without_cast_cache(device_type: str) -> Iterator[None]:
+    """Autocast as it is, but casting parameters anew at every use inside the context.
+
+    Autocast casts a parameter once per autocast region and reuses the copy. The recomputation in the backward
+    runs in an autocast region of its own, so a forward that found c_proj's weight already cast (a tower's second
+    forward in one step, as MACCO's) would replay other operations than it recorded, which selective
+    checkpointing refuses. Without the cache both cast: the same values, one weight cast per block and forward.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
+        yield
 
 
 def _recomputes_mlp(block: ResidualAttentionBlock) -> bool:
@@ -336,8 +357,9 @@ def _continuation_block(block: ResidualAttentionBlock, x: Tensor, placed: Tensor
     attn = block.attn
     batch, length = placed.shape
     width, heads = x.shape[-1], attn.num_heads
-    qkv = x.new_zeros(batch, length, 3 * width)
-    qkv[placed] = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias)
+    packed = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias)  # [R, 3W], autocast's dtype
+    qkv = packed.new_zeros(batch, length, 3 * width)
+    qkv[placed] = packed
     q, k, v = qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
     if eos is not None:
         eos_position, eos_row = eos
@@ -357,7 +379,8 @@ class CLIPEncoders(nn.Module):
         model: an `open_clip.CLIP` with a ViT visual tower (standard blocks, token pooling).
         recompute_activations: training forwards without attention traces keep only each block's MLP
             pre-activation and compute the activation again in the backward (`mlp_recomputing_activation`): the
-            same values and gradients with a fifth to a third less activation memory. Not for a double backward.
+            same values and (in float32) gradients with a fifth to a third less activation memory. Not for a
+            double backward.
     """
 
     def __init__(self, model: nn.Module, recompute_activations: bool = False):

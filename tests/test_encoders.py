@@ -209,6 +209,33 @@ def test_recomputed_mlp_activations_give_the_same_values_and_gradients(quick_gel
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain_grads, recomputed_grads))
 
 
+def test_recomputed_mlp_activations_under_bf16_autocast_with_two_forwards_in_one_region():
+    """Mixed precision, as bf16-mixed training runs MACCO: the second text forward of an autocast region finds
+    the weights' bf16 copies in autocast's cache, the recomputation in the backward would not; the recomputed
+    path still runs. Its values are the plain path's bit for bit; so are the gradients except c_proj's, whose
+    weight it casts once per forward: their two parts add in float32, not in bfloat16 (one bf16 rounding)."""
+    model = quick_or_plain_gelu_model(quick_gelu=True)
+    encoders = CLIPEncoders(model)
+    ids = open_clip.get_tokenizer("ViT-Tiny-16-64")(CAPTIONS)
+    runs = []
+    for recompute in (False, True):
+        encoders.recompute_activations = recompute
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            first, second = encoders.encode_text(ids, trim=True), encoders.encode_text(ids.flip(0), trim=True)
+            outputs = (first.tokens, second.tokens, first.pooled, second.pooled)
+        assert first.tokens.dtype == torch.bfloat16
+        grads = torch.autograd.grad(weighted_sum(*outputs), list(model.parameters()), allow_unused=True)
+        runs.append(([o.detach() for o in outputs], grads))
+    (plain_out, plain_grads), (recomputed_out, recomputed_grads) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain_out, recomputed_out))
+    for (name, _), plain, recomputed in zip(model.named_parameters(), plain_grads, recomputed_grads):
+        assert (plain is None) == (recomputed is None), name
+        if plain is not None and ".mlp.c_proj." in name:
+            assert scaled_close(recomputed, plain, 1e-2), name  # bfloat16 keeps 8 bits: 2^-8 = 4e-3
+        elif plain is not None:
+            assert torch.equal(recomputed, plain), name
+
+
 @pytest.mark.parametrize("quick_gelu", [False, True])
 def test_recomputed_mlp_activations_are_not_kept_for_the_backward(quick_gelu):
     """With recompute_activations nothing holds a block's activation output once the forward is done (the graph
@@ -259,3 +286,19 @@ def test_continuations_of_a_shared_prefix_equal_whole_forwards(tiny):
                           continued_grads, whole_grads):
         assert (a is None) == (b is None), name
         assert a is None or scaled_close(a, b, RTOL), name
+
+
+def test_continuations_under_bf16_autocast_follow_whole_forwards(tiny):
+    """bf16-mixed training (CAE's perturbation on a GPU): the packed continuation rows come out of autocast in
+    bfloat16 and the result matches whole forwards under the same autocast to bfloat16's rounding (8 bits)."""
+    built, encoders = tiny
+    sources = built.tokenizer(["a red cube left of a blue ball", "a dog on a mat"])
+    variants = built.tokenizer(["a red sphere left of a blue ball", "a cat on a mat"])
+    source = torch.tensor([0, 1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        text = encoders.encode_text(sources, trim=True, keep_block_inputs=True)
+        start = first_difference(variants, sources)
+        continued = encoders.encode_text_continuations(variants, start, source, text.block_inputs)
+        whole = encoders.encode_text(variants).pooled
+    assert continued.dtype == torch.bfloat16
+    assert scaled_close(continued.float(), whole.float(), 3e-2)
