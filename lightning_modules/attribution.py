@@ -256,9 +256,9 @@ def _perturbed_similarity(inputs: TextAttributionInputs, perturbed: Tensor, samp
 
     Caption p equals caption `sample[p]` before position `start[p]`. In a causal tower pooled at EOS (CLIP's)
     the hidden states there are the original caption's, so only positions start[p]..EOS run, attending to the
-    original's keys and values (`CLIPEncoders.encode_text_continuations`; gradients reach the weights through
-    both, as through whole forwards). Sorted by that length, each forward pads little. A tower without both
-    properties runs every perturbed caption whole.
+    original's keys and values (`CLIPEncoders.encode_text_continuations`, which sorts them by that length so
+    that each forward pads little; gradients reach the weights through both, as through whole forwards). A
+    tower without both properties runs every perturbed caption whole.
     """
     if len(sample) == 0:
         return inputs.target.new_zeros(0)
@@ -267,11 +267,8 @@ def _perturbed_similarity(inputs: TextAttributionInputs, perturbed: Tensor, samp
         pooled = torch.cat([encoders.encode_text(perturbed[rows]).pooled
                             for rows in torch.arange(len(sample), device=sample.device).split(chunk_size)])
         return pair_similarity(inputs.image[sample], pooled)
-    block_inputs = _source_block_inputs(inputs)
-    order = torch.argsort(eos_positions(perturbed) - start, stable=True)
-    pooled = torch.cat([encoders.encode_text_continuations(perturbed[rows], start[rows], sample[rows], block_inputs)
-                        for rows in order.split(chunk_size)])
-    return pair_similarity(inputs.image[sample[order]], pooled)[torch.argsort(order)]
+    pooled = encoders.encode_text_continuations(perturbed, start, sample, _source_block_inputs(inputs), chunk_size)
+    return pair_similarity(inputs.image[sample], pooled)
 
 
 def _source_block_inputs(inputs: TextAttributionInputs) -> List[Tensor]:

@@ -339,12 +339,14 @@ def _prefix_keys_values(block: ResidualAttentionBlock, x: Tensor) -> Tuple[Tenso
     return keys, values
 
 
-def _continuation_mask(start: Tensor, prefix: int, length: int) -> Tensor:
-    """[P, 1, S, prefix + S] bool, True = attended: prefix key j when j < start[p]; continuation key i' <= i."""
+def _continuation_mask(start: Tensor, prefix: int, length: int, dtype: torch.dtype) -> Tensor:
+    """[P, 1, S, prefix + S] additive attention mask (0 = attended, -inf = not): prefix key j when j < start[p],
+    continuation key i' <= i. Additive in the attention's dtype, so no block converts a boolean one again."""
     keys = torch.arange(prefix, device=start.device)
     shared = (keys < start.unsqueeze(1)).unsqueeze(1).expand(-1, length, -1)  # [P, S, prefix]
     causal = torch.ones(length, length, dtype=torch.bool, device=start.device).tril()
-    return torch.cat([shared, causal.expand(len(start), -1, -1)], dim=2).unsqueeze(1)
+    attended = torch.cat([shared, causal.expand(len(start), -1, -1)], dim=2).unsqueeze(1)
+    return torch.zeros(attended.shape, dtype=dtype, device=start.device).masked_fill_(~attended, float("-inf"))
 
 
 def _continuation_block(block: ResidualAttentionBlock, x: Tensor, placed: Tensor, prefix_keys: Tensor,
@@ -451,24 +453,37 @@ class CLIPEncoders(nn.Module):
         return m.attn_mask is not None and m.text_pool_type == "argmax"
 
     def encode_text_continuations(self, ids: Tensor, start: Tensor, source: Tensor,
-                                  source_block_inputs: Sequence[Tensor]) -> Tensor:
+                                  source_block_inputs: Sequence[Tensor], chunk_size: Optional[int] = None) -> Tensor:
         """Pooled embeddings [P, D] of captions `ids` [P, N] that agree with caption `source[p]` of an encoded
         batch before position `start[p]` (>= 1): only positions start[p]..EOS run through the tower.
 
         The tower is causal, so the hidden states before `start[p]` are the source caption's. Each block's keys
-        and values there are computed from the source's input to that block (`source_block_inputs[l]`
+        and values there are computed once from the source's input to that block (`source_block_inputs[l]`
         [B, L, width], `TextFeatures.block_inputs`, kept in the autograd graph: gradients reach the weights
-        through the shared prefix as through a full forward). The row-wise layers run on the continuations' own
-        positions only (no padding), the attention on them padded to the longest; the last block computes the EOS
-        rows alone, the only ones pooled. Equal to `encode_text(ids).pooled` up to float rounding (other matrix
-        shapes).
+        through the shared prefix as through a full forward). The captions run `chunk_size` at a time (all at
+        once by default), sorted by the number of positions they run so that each chunk pads little: the
+        row-wise layers run on the continuations' own positions only (no padding), the attention on them padded
+        to the chunk's longest; the last block computes the EOS rows alone, the only ones pooled. Equal to
+        `encode_text(ids).pooled` up to float rounding (other matrix shapes).
         """
         if not self.shares_text_prefixes:
             raise ValueError("encode_text_continuations needs a causal text tower pooled at its EOS token")
-        m = self.model
-        blocks = list(m.transformer.resblocks)
+        blocks = list(self.model.transformer.resblocks)
         if len(source_block_inputs) != len(blocks):
             raise ValueError(f"{len(source_block_inputs)} block inputs for a tower of {len(blocks)} blocks")
+        for block in blocks:
+            _check_supported_block(block)
+        prefix = int(start.max())
+        prefixes = [_prefix_keys_values(block, x[:, :prefix]) for block, x in zip(blocks, source_block_inputs)]
+        order = torch.argsort(eos_position(ids) - start, stable=True)
+        pooled = [self._continuations(ids[rows], start[rows], source[rows], prefixes)
+                  for rows in order.split(chunk_size or max(len(order), 1))]
+        return torch.cat(pooled)[torch.argsort(order)]
+
+    def _continuations(self, ids: Tensor, start: Tensor, source: Tensor,
+                       prefixes: List[Tuple[Tensor, Tensor]]) -> Tensor:
+        """`encode_text_continuations` of one chunk, from every block's prefix keys and values [B, heads, L', d]."""
+        m = self.model
         lengths = eos_position(ids) - start + 1  # [P] tokens from start to EOS, both included
         prefix = int(start.max())
         offsets = torch.arange(int(lengths.max()), device=ids.device)
@@ -476,13 +491,12 @@ class CLIPEncoders(nn.Module):
         positions = (start.unsqueeze(1) + offsets)[placed]  # [R], the packed rows' positions in their captions
         x = m.token_embedding(ids[placed.nonzero(as_tuple=True)[0], positions]).to(m.transformer.get_cast_dtype())
         x = x + m.positional_embedding[positions].to(x.dtype)
-        mask = _continuation_mask(start, prefix, len(offsets))
+        mask = _continuation_mask(start, prefix, len(offsets), prefixes[0][0].dtype)
         eos = (lengths - 1, torch.cumsum(lengths, dim=0) - 1)
-        for index, (block, source_x) in enumerate(zip(blocks, source_block_inputs)):
-            _check_supported_block(block)
-            keys, values = _prefix_keys_values(block, source_x[:, :prefix])
-            last = index == len(blocks) - 1
-            x = _continuation_block(block, x, placed, keys[source], values[source], mask, eos if last else None)
+        for index, (block, (keys, values)) in enumerate(zip(m.transformer.resblocks, prefixes)):
+            last = index == len(prefixes) - 1
+            x = _continuation_block(block, x, placed, keys[source, :, :prefix], values[source, :, :prefix], mask,
+                                    eos if last else None)
         return _project(m.ln_final(x), m.text_projection)
 
     def text_tokens(self, x: Tensor) -> Tensor:

@@ -262,10 +262,12 @@ def first_difference(ids: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
     return (ids != sources).to(torch.int64).argmax(dim=1)
 
 
-def test_continuations_of_a_shared_prefix_equal_whole_forwards(tiny):
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_continuations_of_a_shared_prefix_equal_whole_forwards(tiny, chunk_size):
     """encode_text_continuations runs only positions start..EOS of captions that agree with an encoded caption
     before `start`; pooled features and their gradients are those of whole forwards, whether a continuation is
-    longer than its source, shorter (down to EOS alone) or as long, from a trimmed source forward."""
+    longer than its source, shorter (down to EOS alone) or as long, from a trimmed source forward, all at once or
+    in chunks (sorted by length, returned in the given order)."""
     built, encoders = tiny
     tokenizer = built.tokenizer
     sources = tokenizer(["a red cube left of a blue ball", "a dog on a mat"])
@@ -277,7 +279,7 @@ def test_continuations_of_a_shared_prefix_equal_whole_forwards(tiny):
     parameters = [p for name, p in built.model.named_parameters() if not name.startswith("visual.")]
     text = encoders.encode_text(sources, trim=True, keep_block_inputs=True)
     assert len(text.block_inputs) == len(built.model.transformer.resblocks)
-    continued = encoders.encode_text_continuations(variants, start, source, text.block_inputs)
+    continued = encoders.encode_text_continuations(variants, start, source, text.block_inputs, chunk_size)
     whole = encoders.encode_text(variants).pooled
     assert scaled_close(continued.detach(), whole.detach(), RTOL)
     continued_grads = torch.autograd.grad(weighted_sum(continued), parameters, allow_unused=True)
