@@ -12,7 +12,9 @@ caption b), non-zero only on the content tokens 1..EOS-1 (SOT, EOS and padding a
   object / attribute / relation word is replaced by K words of its kind (`WordReplacements`, drawn by
   `draw_word_replacements`), spliced in as their own BPE ids (lengths may differ; EOS moves with them), and
   the K drops are averaged; words of no kind get 0. With `replacement="token"` [ours] every word's tokens are
-  replaced once by `replacement_id`;
+  replaced once by `replacement_id`. Either way the causal text tower runs each perturbed caption only from
+  its replaced word to its own EOS, attending to the original caption's keys and values before the word (the
+  same numbers as whole forwards up to float rounding, gradients included);
 - `gradient`: a_t = sum_d |dS / de_{t,d}| over the token embedding e_t;
 - `grad_eclip`: Grad-ECLIP's text map (last `eclip_layers` blocks, EOS row, loosened attention). The
   published map re-runs the explained blocks with one full-width head (`heads="single"`) and min-max scales
@@ -219,7 +221,8 @@ def _token_perturbation(inputs: TextAttributionInputs, options: AttributionOptio
     length = int(inputs.eos.max()) + 1  # causal tower, EOS pooling: later positions change nothing
     perturbed = inputs.ids[sample, :length].clone()
     perturbed[groups[sample, :length] == word.unsqueeze(1)] = options.replacement_id
-    drop = inputs.target[sample] - _perturbed_similarity(inputs, perturbed, sample, options.chunk_size)
+    start = _word_starts(groups, sample, word)
+    drop = inputs.target[sample] - _perturbed_similarity(inputs, perturbed, sample, start, options.chunk_size)
     return _spread_over_words(inputs, groups, sample, word, drop)
 
 
@@ -236,20 +239,45 @@ def _kind_perturbation(inputs: TextAttributionInputs, options: AttributionOption
     word = replacements.word.repeat_interleave(count)
     perturbed = splice_words(inputs.ids, groups, sample, word, replacements.ids.flatten(0, 1),
                              replacements.lengths.flatten(), context_length(inputs.encoders))
-    drop = inputs.target[sample] - _perturbed_similarity(inputs, perturbed, sample, options.chunk_size)
+    start = _word_starts(groups, sample, word)
+    drop = inputs.target[sample] - _perturbed_similarity(inputs, perturbed, sample, start, options.chunk_size)
     mean_drop = drop.view(-1, count).mean(dim=1) if count else drop
     return _spread_over_words(inputs, groups, replacements.sample, replacements.word, mean_drop)
 
 
-def _perturbed_similarity(inputs: TextAttributionInputs, perturbed: Tensor, sample: Tensor,
+def _word_starts(groups: Tensor, sample: Tensor, word: Tensor) -> Tensor:
+    """[P] position of the first token of word `word[p]` of caption `sample[p]`."""
+    return (groups[sample] == word.unsqueeze(1)).to(torch.int64).argmax(dim=1)
+
+
+def _perturbed_similarity(inputs: TextAttributionInputs, perturbed: Tensor, sample: Tensor, start: Tensor,
                           chunk_size: int) -> Tensor:
-    """S(I_sample, perturbed caption) for every perturbed caption [P], `chunk_size` captions per forward."""
-    similarities = []
-    for start in range(0, len(sample), chunk_size):
-        chunk = slice(start, start + chunk_size)
-        pooled = inputs.encoders.encode_text(perturbed[chunk]).pooled
-        similarities.append(pair_similarity(inputs.image[sample[chunk]], pooled))
-    return torch.cat(similarities) if similarities else inputs.target.new_zeros(0)
+    """S(I_sample, perturbed caption) for every perturbed caption [P], `chunk_size` captions per forward.
+
+    Caption p equals caption `sample[p]` before position `start[p]`. In a causal tower pooled at EOS (CLIP's)
+    the hidden states there are the original caption's, so only positions start[p]..EOS run, attending to the
+    original's keys and values (`CLIPEncoders.encode_text_continuations`, which sorts them by that length so
+    that each forward pads little; gradients reach the weights through both, as through whole forwards). A
+    tower without both properties runs every perturbed caption whole.
+    """
+    if len(sample) == 0:
+        return inputs.target.new_zeros(0)
+    encoders = inputs.encoders
+    if not encoders.shares_text_prefixes:
+        pooled = torch.cat([encoders.encode_text(perturbed[rows]).pooled
+                            for rows in torch.arange(len(sample), device=sample.device).split(chunk_size)])
+        return pair_similarity(inputs.image[sample], pooled)
+    pooled = encoders.encode_text_continuations(perturbed, start, sample, _source_block_inputs(inputs), chunk_size)
+    return pair_similarity(inputs.image[sample], pooled)
+
+
+def _source_block_inputs(inputs: TextAttributionInputs) -> List[Tensor]:
+    """The original captions' input to every text block: from their forward when it kept them (`keep_block_inputs`
+    or attention traces), else from a new forward of `inputs.ids`."""
+    text = inputs.text
+    if text.block_inputs is not None and text.block_inputs[0].shape[1] == inputs.ids.shape[1]:
+        return text.block_inputs
+    return inputs.encoders.encode_text(inputs.ids, keep_block_inputs=True).block_inputs
 
 
 def _spread_over_words(inputs: TextAttributionInputs, groups: Tensor, sample: Tensor, word: Tensor,

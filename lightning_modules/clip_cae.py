@@ -97,8 +97,10 @@ class ClipCAE(ClipFineTune):
         # Validation runs under no_grad; gradient-based attributions still need a graph to differentiate.
         with torch.enable_grad() if self.attribution in GRADIENT_BASED else nullcontext():
             image = F.normalize(self.encoders.encode_image(batch["image"]).pooled, dim=-1)
+            # perturbation runs each perturbed caption from its replaced word on, from the blocks' inputs here
             text_features = self.encoders.encode_text(batch["text"], attn=self.attribution in EXPLICIT_ATTENTION,
-                                                      trim=not self.needs_full_context)
+                                                      trim=not self.needs_full_context,
+                                                      keep_block_inputs=self.attribution == "perturbation")
             # [paper] the attribution regularises the text encoder only: the image embedding is a constant here
             attribution = self._attribution(batch, image.detach(), text_features)
         text = F.normalize(text_features.pooled, dim=-1)

@@ -8,17 +8,21 @@ outputs equal open_clip's own.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import open_clip
 import torch
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, Transformer
 from torch import Tensor, nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_modules.config import REPO_ROOT
 
@@ -39,6 +43,7 @@ class TextFeatures:
     traces: Optional[List["AttentionTrace"]] = None  # per layer, with attn=True
     embeddings: Optional[Tensor] = None  # [B, L, width] token embeddings as used (after replacement)
     hidden: Optional[Tensor] = None  # [B, L, width] after ln_final, before the text projection
+    block_inputs: Optional[List[Tensor]] = None  # per block [B, L, width], the residual stream entering it
 
 
 @dataclass
@@ -202,18 +207,104 @@ def run_block(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tens
     return x, trace
 
 
+# Ops whose outputs a block recomputing its MLP activation keeps (the matrix products); everything else inside the
+# recomputed region (the activation) is computed again in the backward.
+_KEPT_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+# Newer torch asks whether the tensors selective checkpointing keeps go through saved-tensor hooks around it
+# (e.g. perf.step's byte count): yes, like every other saved tensor.
+_CHECKPOINT_OPTIONS = ({"respect_saved_tensors_hooks": True}
+                       if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
+
+def _keep_matrix_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def mlp_recomputing_activation(mlp: nn.Module, x: Tensor) -> Tensor:
+    """open_clip's MLP (c_fc, activation, c_proj) that keeps c_fc's output [N, 4W] for the backward and computes
+    the activation from it again there (selective checkpointing: c_proj's product is kept, not recomputed).
+
+    Autograd would keep the activation's input and output (QuickGELU also its sigmoid): two or three [N, 4W]
+    tensors per block; this keeps the input and c_proj's [N, W] output, a fifth (GELU) to a third (QuickGELU)
+    less of a tower's activation memory. The recomputation runs the same kernels on the same input, so values
+    and gradients are the same bit for bit; it costs one elementwise activation per block. Under autocast
+    c_proj's weight is cast at every forward (`_autocast_without_cast_cache`), so when one autocast region runs a
+    tower twice, that weight's gradient adds the two forwards' parts in float32 rather than in the autocast
+    dtype: the values are the same, that gradient differs by the low-precision rounding.
+    """
+    first, rest = mlp[0], mlp[1:]
+    hidden = first(x)
+    context = functools.partial(create_selective_checkpoint_contexts, _keep_matrix_products)
+    with _autocast_without_cast_cache(hidden.device.type):
+        return checkpoint(rest, hidden, use_reentrant=False, context_fn=context, **_CHECKPOINT_OPTIONS)
+
+
+@contextlib.contextmanager
+def _autocast_without_cast_cache(device_type: str) -> Iterator[None]:
+    """Autocast as it is, but casting parameters anew at every use inside the context.
+
+    Autocast casts a parameter once per autocast region and reuses the copy. The recomputation in the backward
+    runs in an autocast region of its own, so a forward that found c_proj's weight already cast (a tower's second
+    forward in one step, as MACCO's) would replay other operations than it recorded, which selective
+    checkpointing refuses. Without the cache both cast: the same values, one weight cast per block and forward.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
+        yield
+
+
+def _recomputes_mlp(block: ResidualAttentionBlock) -> bool:
+    """Whether the block's MLP is open_clip's Sequential(c_fc, activation, ..., c_proj)."""
+    return isinstance(block.mlp, nn.Sequential) and next(iter(block.mlp._modules), None) == "c_fc"
+
+
+def run_block_recomputing_activation(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
+    """open_clip's `block(x, attn_mask=attn_mask)` with `mlp_recomputing_activation`: the same values."""
+    _check_supported_block(block)
+    x = x + block.ls_1(block.attention(q_x=block.ln_1(x), attn_mask=attn_mask))
+    mlp_input = block.ln_2(x)
+    mlp_output = mlp_recomputing_activation(block.mlp, mlp_input) if _recomputes_mlp(block) else block.mlp(mlp_input)
+    return x + block.ls_2(mlp_output)
+
+
 def run_blocks(transformer: Transformer, x: Tensor, attn_mask: Optional[Tensor] = None,
-               need_attn: bool = False) -> Tuple[Tensor, Optional[List[AttentionTrace]]]:
-    """Run a batch-first open_clip Transformer block by block, optionally tracing every attention."""
+               need_attn: bool = False, recompute_activations: bool = False,
+               block_inputs: Optional[List[Tensor]] = None) -> Tuple[Tensor, Optional[List[AttentionTrace]]]:
+    """Run a batch-first open_clip Transformer block by block, optionally tracing every attention.
+
+    `recompute_activations` (without `need_attn`, while autograd records) keeps less for the backward
+    (`mlp_recomputing_activation`); the values are the same. Not for a double backward. A list passed as
+    `block_inputs` receives the residual stream entering each block (tensors autograd keeps anyway).
+    """
     if not transformer.batch_first:
         raise ValueError("CLIPEncoders expects a batch-first open_clip Transformer")
+    if not need_attn and recompute_activations and torch.is_grad_enabled():
+        for block in transformer.resblocks:
+            _append(block_inputs, x)
+            x = run_block_recomputing_activation(block, x, attn_mask)
+        return x, None
+    if not need_attn and block_inputs is not None:
+        for block in transformer.resblocks:  # Transformer.forward's own loop (batch-first)
+            block_inputs.append(x)
+            x = block(x, attn_mask=attn_mask)
+        return x, None
     if not need_attn:
         return transformer(x, attn_mask=attn_mask), None
     traces = []
     for block in transformer.resblocks:
+        _append(block_inputs, x)
         x, trace = run_block(block, x, attn_mask)
         traces.append(trace)
     return x, traces
+
+
+def _append(collected: Optional[List[Tensor]], x: Tensor) -> None:
+    if collected is not None:
+        collected.append(x)
 
 
 def _project(x: Tensor, projection: Optional[nn.Module | Tensor]) -> Tensor:
@@ -233,15 +324,70 @@ def _replace(x: Tensor, replace: Optional[Tensor], mask_token: Optional[Tensor])
     return torch.where(replace.unsqueeze(-1), mask_token.to(x.dtype), x)
 
 
+def eos_position(ids: Tensor) -> Tensor:
+    """[B] position of each caption's EOS: CLIP's EOT token has the largest id (open_clip's argmax pooling)."""
+    return ids.argmax(dim=-1)
+
+
+def _prefix_keys_values(block: ResidualAttentionBlock, x: Tensor) -> Tuple[Tensor, Tensor]:
+    """The block's attention keys and values [B, heads, L, W / heads] of its input x [B, L, W]."""
+    attn = block.attn
+    batch, length, width = x.shape
+    bias = attn.in_proj_bias[width:] if attn.in_proj_bias is not None else None
+    kv = F.linear(block.ln_1(x), attn.in_proj_weight[width:], bias)
+    keys, values = kv.view(batch, length, 2, attn.num_heads, width // attn.num_heads).permute(2, 0, 3, 1, 4)
+    return keys, values
+
+
+def _continuation_mask(start: Tensor, prefix: int, length: int, dtype: torch.dtype) -> Tensor:
+    """[P, 1, S, prefix + S] additive attention mask (0 = attended, -inf = not): prefix key j when j < start[p],
+    continuation key i' <= i. Additive in the attention's dtype, so no block converts a boolean one again."""
+    keys = torch.arange(prefix, device=start.device)
+    shared = (keys < start.unsqueeze(1)).unsqueeze(1).expand(-1, length, -1)  # [P, S, prefix]
+    causal = torch.ones(length, length, dtype=torch.bool, device=start.device).tril()
+    attended = torch.cat([shared, causal.expand(len(start), -1, -1)], dim=2).unsqueeze(1)
+    return torch.zeros(attended.shape, dtype=dtype, device=start.device).masked_fill_(~attended, float("-inf"))
+
+
+def _continuation_block(block: ResidualAttentionBlock, x: Tensor, placed: Tensor, prefix_keys: Tensor,
+                        prefix_values: Tensor, mask: Tensor, eos: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+    """One pre-LN block on the continuations' rows x [R, W], packed without padding (`placed` [P, S] marks the
+    R positions they hold in the padded [P, S] layout): the row-wise layers run on the R rows, the attention on
+    the padded layout, each continuation attending to its prefix's keys and values [P, heads, prefix, W / heads]
+    too. With `eos` (each continuation's last position [P] and the packed index of that row [P]) only the EOS
+    rows are computed after the attention (their keys and values still come from every row): [P, W]."""
+    attn = block.attn
+    batch, length = placed.shape
+    width, heads = x.shape[-1], attn.num_heads
+    packed = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias)  # [R, 3W], autocast's dtype
+    qkv = packed.new_zeros(batch, length, 3 * width)
+    qkv[placed] = packed
+    q, k, v = qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+    if eos is not None:
+        eos_position, eos_row = eos
+        rows = torch.arange(batch, device=x.device)
+        q, mask, x = q[rows, :, eos_position].unsqueeze(2), mask[rows, :, eos_position].unsqueeze(2), x[eos_row]
+    keys, values = torch.cat([prefix_keys, k], dim=2), torch.cat([prefix_values, v], dim=2)
+    context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).transpose(1, 2).reshape(batch, -1, width)
+    context = context[:, 0] if eos is not None else context[placed]
+    x = x + block.ls_1(attn.out_proj(context))
+    return x + block.ls_2(block.mlp(block.ln_2(x)))
+
+
 class CLIPEncoders(nn.Module):
     """Explicit text and image forward passes of an open_clip CLIP (ViT image tower, causal text tower).
 
     Args:
         model: an `open_clip.CLIP` with a ViT visual tower (standard blocks, token pooling).
+        recompute_activations: training forwards without attention traces keep only each block's MLP
+            pre-activation and compute the activation again in the backward (`mlp_recomputing_activation`): the
+            same values and (in float32) gradients with a fifth to a third less activation memory. Not for a
+            double backward.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, recompute_activations: bool = False):
         super().__init__()
+        self.recompute_activations = recompute_activations
         if not hasattr(model, "token_embedding") or not hasattr(model.visual, "conv1"):
             raise ValueError("CLIPEncoders needs an open_clip CLIP with a built-in text tower and a ViT")
         if getattr(model.visual, "attn_pool", None) is not None:
@@ -263,12 +409,13 @@ class CLIPEncoders(nn.Module):
         return tuple(self.model.visual.grid_size)
 
     def encode_text(self, ids: Tensor, replace: Optional[Tensor] = None, mask_token: Optional[Tensor] = None,
-                    attn: bool = False, trim: bool = False) -> TextFeatures:
+                    attn: bool = False, trim: bool = False, keep_block_inputs: bool = False) -> TextFeatures:
         """Encode token ids [B, L]; `replace` [B, L] swaps token embeddings for `mask_token`.
 
         `trim` drops the positions after the batch's last EOS before the tower runs: the tower is causal and
         pools EOS, so `pooled` is unchanged while COCO captions (~15 of 77 tokens) cost a fraction of the
-        compute. Per-token outputs then have the trimmed length.
+        compute. Per-token outputs then have the trimmed length. `keep_block_inputs` returns each block's input
+        (`TextFeatures.block_inputs`, what `encode_text_continuations` starts from).
         """
         if trim:
             length = int(ids.argmax(dim=-1).max()) + 1
@@ -277,9 +424,10 @@ class CLIPEncoders(nn.Module):
         m = self.model
         cast_dtype = m.transformer.get_cast_dtype()
         embeddings = _replace(m.token_embedding(ids).to(cast_dtype), replace, mask_token)
-        return self.encode_text_embeddings(embeddings, ids, attn)
+        return self.encode_text_embeddings(embeddings, ids, attn, keep_block_inputs)
 
-    def encode_text_embeddings(self, embeddings: Tensor, ids: Tensor, attn: bool = False) -> TextFeatures:
+    def encode_text_embeddings(self, embeddings: Tensor, ids: Tensor, attn: bool = False,
+                               keep_block_inputs: bool = False) -> TextFeatures:
         """The text tower from token embeddings [B, L, width] (gradient attribution differentiates them).
 
         `L` may be shorter than the context length: the tower is causal and pools the EOS token, so
@@ -289,12 +437,67 @@ class CLIPEncoders(nn.Module):
         length = embeddings.shape[1]
         x = embeddings + m.positional_embedding[:length].to(embeddings.dtype)
         attn_mask = m.attn_mask[:length, :length] if m.attn_mask is not None else None
-        x, traces = run_blocks(m.transformer, x, attn_mask, need_attn=attn)
+        block_inputs = [] if keep_block_inputs or attn else None
+        x, traces = run_blocks(m.transformer, x, attn_mask, need_attn=attn,
+                               recompute_activations=self.recompute_activations, block_inputs=block_inputs)
         hidden = m.ln_final(x)
         tokens = _project(hidden, m.text_projection)
         attentions = [trace.probs for trace in traces] if traces is not None else None
         return TextFeatures(pooled=self.text_pool(tokens, ids), tokens=tokens, attentions=attentions,
-                            traces=traces, embeddings=embeddings, hidden=hidden)
+                            traces=traces, embeddings=embeddings, hidden=hidden, block_inputs=block_inputs)
+
+    @property
+    def shares_text_prefixes(self) -> bool:
+        """Whether `encode_text_continuations` applies: a causal text tower pooled at its EOS (argmax) token."""
+        m = self.model
+        return m.attn_mask is not None and m.text_pool_type == "argmax"
+
+    def encode_text_continuations(self, ids: Tensor, start: Tensor, source: Tensor,
+                                  source_block_inputs: Sequence[Tensor], chunk_size: Optional[int] = None) -> Tensor:
+        """Pooled embeddings [P, D] of captions `ids` [P, N] that agree with caption `source[p]` of an encoded
+        batch before position `start[p]` (>= 1): only positions start[p]..EOS run through the tower.
+
+        The tower is causal, so the hidden states before `start[p]` are the source caption's. Each block's keys
+        and values there are computed once from the source's input to that block (`source_block_inputs[l]`
+        [B, L, width], `TextFeatures.block_inputs`, kept in the autograd graph: gradients reach the weights
+        through the shared prefix as through a full forward). The captions run `chunk_size` at a time (all at
+        once by default), sorted by the number of positions they run so that each chunk pads little: the
+        row-wise layers run on the continuations' own positions only (no padding), the attention on them padded
+        to the chunk's longest; the last block computes the EOS rows alone, the only ones pooled. Equal to
+        `encode_text(ids).pooled` up to float rounding (other matrix shapes).
+        """
+        if not self.shares_text_prefixes:
+            raise ValueError("encode_text_continuations needs a causal text tower pooled at its EOS token")
+        blocks = list(self.model.transformer.resblocks)
+        if len(source_block_inputs) != len(blocks):
+            raise ValueError(f"{len(source_block_inputs)} block inputs for a tower of {len(blocks)} blocks")
+        for block in blocks:
+            _check_supported_block(block)
+        prefix = int(start.max())
+        prefixes = [_prefix_keys_values(block, x[:, :prefix]) for block, x in zip(blocks, source_block_inputs)]
+        order = torch.argsort(eos_position(ids) - start, stable=True)
+        pooled = [self._continuations(ids[rows], start[rows], source[rows], prefixes)
+                  for rows in order.split(chunk_size or max(len(order), 1))]
+        return torch.cat(pooled)[torch.argsort(order)]
+
+    def _continuations(self, ids: Tensor, start: Tensor, source: Tensor,
+                       prefixes: List[Tuple[Tensor, Tensor]]) -> Tensor:
+        """`encode_text_continuations` of one chunk, from every block's prefix keys and values [B, heads, L', d]."""
+        m = self.model
+        lengths = eos_position(ids) - start + 1  # [P] tokens from start to EOS, both included
+        prefix = int(start.max())
+        offsets = torch.arange(int(lengths.max()), device=ids.device)
+        placed = offsets < lengths.unsqueeze(1)  # [P, S]
+        positions = (start.unsqueeze(1) + offsets)[placed]  # [R], the packed rows' positions in their captions
+        x = m.token_embedding(ids[placed.nonzero(as_tuple=True)[0], positions]).to(m.transformer.get_cast_dtype())
+        x = x + m.positional_embedding[positions].to(x.dtype)
+        mask = _continuation_mask(start, prefix, len(offsets), prefixes[0][0].dtype)
+        eos = (lengths - 1, torch.cumsum(lengths, dim=0) - 1)
+        for index, (block, (keys, values)) in enumerate(zip(m.transformer.resblocks, prefixes)):
+            last = index == len(prefixes) - 1
+            x = _continuation_block(block, x, placed, keys[source, :, :prefix], values[source, :, :prefix], mask,
+                                    eos if last else None)
+        return _project(m.ln_final(x), m.text_projection)
 
     def text_tokens(self, x: Tensor) -> Tensor:
         """ln_final and the text projection of the tower's output sequence [B, L, width]."""
@@ -323,7 +526,7 @@ class CLIPEncoders(nn.Module):
         cls = v.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
         x = torch.cat([cls, x], dim=1) + v.positional_embedding.to(x.dtype)
         x = v.ln_pre(v.patch_dropout(x))
-        x, traces = run_blocks(v.transformer, x, need_attn=attn)
+        x, traces = run_blocks(v.transformer, x, need_attn=attn, recompute_activations=self.recompute_activations)
         return self.image_head(x, traces)
 
     def image_head(self, x: Tensor, traces: Optional[List[AttentionTrace]] = None) -> ImageFeatures:

@@ -2,8 +2,8 @@
 
 Every composition token of the caption (relation and attribute words, `comp_mask`) and the patches of one
 grounded phrase (`patch_mask`) are replaced by learnable mask tokens at the embedding level, before the
-positional embeddings. Each tower runs the full and the masked copy together (2B batch). Two predictors
-reconstruct what was masked from the other modality:
+positional embeddings. Each tower runs the full and the masked copy (the image tower as one 2B batch). Two
+predictors reconstruct what was masked from the other modality:
 
 - text predictor: queries = masked-text tokens, keys/values = **detached** full-image patches -> vocabulary
   logits at the masked token positions only (`L_mlm`; never reaches the image encoder);
@@ -19,10 +19,10 @@ parameter group and are not part of the export (a vanilla open_clip checkpoint).
 
 Official and ours. `configs/macco.yaml` reproduces the official code (hiker-lw/MACCO @ 97fbae1), checked
 against its numbers by tests/test_macco_parity.py: no key padding mask in the image predictor (all 77 text
-positions are keys, the text runs untrimmed), every head tensor and both mask tokens under weight decay 0.01,
+positions are keys, the full text runs untrimmed), every head tensor and both mask tokens under weight decay 0.01,
 logit_scale in the head group (lr 1e-3, wd 0.01), the random rectangle's distribution
 (`parsers.grounding.random_rectangle_mask`). Ours, each an option (`configs/macco_ours.yaml`):
-`method.key_padding_mask=true` (keys after EOS ignored; the text then stops at the batch's last EOS, which
+`method.key_padding_mask=true` (keys after EOS ignored; the full text then stops at the batch's last EOS, which
 is exact only with the mask), `optim.logit_scale_group=backbone`, `optim.head_decay_1d=false`. The word ->
 token rule is ours in both (`data.comp_mask_rule=every_occurrence`: the exact character spans of every
 composition word); the original's, where each word is BPE-encoded alone, "the" is skipped and only the
@@ -204,22 +204,16 @@ class ImagePredictor(nn.Module):
 class MaccoOutputs:
     """Everything one MACCO forward computed (tests read the intermediate tensors)."""
 
-    text: TextFeatures  # full captions
-    masked_text: TextFeatures
+    text: TextFeatures  # full captions, at length L' (77 without the key padding mask: every position a key)
+    masked_text: TextFeatures  # masked captions, at length L_m <= L' (up to the batch's last EOS)
     image: ImageFeatures  # full images
     masked_image: ImageFeatures
-    ids: Tensor  # [B, L'] token ids at the text forward's (possibly trimmed) length
-    text_mask: Tensor  # [B, L'] masked composition tokens
+    ids: Tensor  # [B, L'] token ids at the full text forward's (possibly trimmed) length
+    text_mask: Tensor  # [B, L'] masked composition tokens (all before EOS, so within the first L_m)
     patch_mask: Tensor  # [B, P] masked patches
-    text_predictor_features: Tensor  # [B, L', D] before the vocabulary head
+    text_predictor_features: Tensor  # [B, L_m, D] before the vocabulary head
     vocabulary_logits: Tensor  # [M, V] at the masked token positions, row-major
     pixel_predictions: Tensor  # [B, P, p * p * 3]
-
-
-def _split_text(both: TextFeatures) -> Tuple[TextFeatures, TextFeatures]:
-    halves = [TextFeatures(pooled=p, tokens=t, embeddings=e) for p, t, e in
-              zip(both.pooled.chunk(2), both.tokens.chunk(2), both.embeddings.chunk(2))]
-    return halves[0], halves[1]
 
 
 def _split_image(both: ImageFeatures) -> Tuple[ImageFeatures, ImageFeatures]:
@@ -240,6 +234,9 @@ class MaccoCLIP(CompositionalCLIPModule):
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
         method = cfg.method
+        # Four tower forwards of B samples each: the towers keep each block's MLP pre-activation only and compute
+        # the activation again in the backward (the same numbers, less memory; encoders.mlp_recomputing_activation).
+        self.encoders.recompute_activations = True
         width = joint_embedding_dim(self.clip)
         self.text_mask_token = nn.Parameter(torch.randn(self.encoders.text_width) * MASK_TOKEN_STD)
         self.img_mask_token = nn.Parameter(torch.randn(self.encoders.vision_width) * MASK_TOKEN_STD)
@@ -277,21 +274,30 @@ class MaccoCLIP(CompositionalCLIPModule):
         image, masked_image = self.encode_image_pair(batch["image"], patch_mask)
         # L_mlm must not reach the image encoder: its keys are detached.
         image_keys = inject_global(image.patches, image.pooled).detach()
+        # Each query attends to the image alone (no self-attention among queries): the masked positions' outputs
+        # are the same at any query length, so the predictor runs on the masked copy's length L_m only.
         text_features = self.text_predictor.features(inject_global(masked_text.tokens, masked_text.pooled),
                                                      image_keys)
         # L_mim must not reach the image encoder (queries detached) but does train the text encoder (keys not).
         image_queries = inject_global(masked_image.patches, masked_image.pooled).detach()
         padding = padding_positions(ids) if self.key_padding_mask else None
         pixels = self.image_predictor(image_queries, inject_global(text.tokens, text.pooled), padding)
+        vocabulary_logits = self.text_predictor.vocabulary_logits(text_features, text_mask[:, :text_features.shape[1]])
         return MaccoOutputs(text, masked_text, image, masked_image, ids, text_mask, patch_mask, text_features,
-                            self.text_predictor.vocabulary_logits(text_features, text_mask), pixels)
+                            vocabulary_logits, pixels)
 
     def encode_text_pair(self, ids: Tensor, text_mask: Tensor) -> Tuple[TextFeatures, TextFeatures]:
-        """Full and masked captions in one 2B forward; masked tokens get `text_mask_token` before positions."""
-        replace = torch.cat([torch.zeros_like(text_mask), text_mask])
-        both = self.encoders.encode_text(torch.cat([ids, ids]), replace=replace, mask_token=self.text_mask_token,
-                                         trim=self.trim_text)
-        return _split_text(both)
+        """Full and masked captions; masked tokens get `text_mask_token` before the positions.
+
+        The masked copy always stops at the batch's last EOS: only its EOS (pooled) and its masked positions (all
+        before EOS) are read, and the tower is causal, so the positions after it change nothing but the memory.
+        The full copy runs every position without the key padding mask (each is a key of the image predictor,
+        as in the original) and stops at the last EOS with it. Two B forwards, each row computed as in one 2B
+        forward of the original (up to float rounding).
+        """
+        text = self.encoders.encode_text(ids, trim=self.trim_text)
+        masked_text = self.encoders.encode_text(ids, replace=text_mask, mask_token=self.text_mask_token, trim=True)
+        return text, masked_text
 
     def encode_image_pair(self, images: Tensor, patch_mask: Tensor) -> Tuple[ImageFeatures, ImageFeatures]:
         """Full and masked images in one 2B forward; masked patch embeddings become `img_mask_token`."""

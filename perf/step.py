@@ -5,15 +5,22 @@ Every variant builds the same model (same seed) and trains on the same batch; st
 CLIP-FT rather than absolute claims. Memory: on CUDA the peak allocated bytes of a step; on the CPU the
 bytes autograd saves for backward during the forward (the activation memory, which is what differs
 between methods). The frozen-backbone aligners (TFLocal / TFGlobal) time the step they train with, on cached
-features (`cached_feature_batch`): the aligner alone, no backbone forward. A benchmark, not a test.
+features (`cached_feature_batch`): the aligner alone, no backbone forward. With `--peak-rss` every variant runs
+alone in a fresh process instead, one after another, and the report adds that process's peak resident memory
+(everything a machine must hold: libraries, weights, gradients, optimizer state, activations); its times are then
+sequential, not interleaved. A benchmark, not a test.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -45,6 +52,7 @@ VARIANTS: Dict[str, List[str]] = {
     "cae_grad_eclip_ours": ["method.name=clip_cae", "method.attribution.name=grad_eclip",
                             "method.attribution.heads=multi", "method.attribution.text_lambda_range=up_to_eos"],
     "macco": ["method.name=macco"],
+    "macco_ours": ["method.name=macco"],
     "smartclip": ["method.name=smartclip"],
     "smartclip_soft": ["method.name=smartclip", "method.hard_mask=false"],
     # TFLocal / TFGlobal at the paper's aligner (d 512, 4 layers, 8 heads), trained on cached features: every
@@ -54,7 +62,11 @@ VARIANTS: Dict[str, List[str]] = {
        for suffix, negatives in (("", []), ("_hard4", ["method.aligner_negatives=4"]),
                                  ("_hard16", ["method.aligner_negatives=16"]))},
 }
+# Variants measured with a recipe's method and optim settings (its model, data and trainer sections are replaced
+# by perf.step's: random weights of --model, the perf batch). macco = the paper config (the official code's).
+CONFIG_FILES: Dict[str, str] = {"macco": "configs/macco.yaml", "macco_ours": "configs/macco_ours.yaml"}
 REFERENCE = "clip_ft"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 NEGCLIP_TSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
 FALLBACK_CAPTIONS = ["a red square to the left of a blue circle", "a man riding a horse on a beach",
                      "two dogs playing with a frisbee in the park", "a plate of food next to a cup of coffee"]
@@ -70,6 +82,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default="32", choices=["32", "bf16"])
     parser.add_argument("--out", type=Path, default=Path("runs/perf_step.json"))
+    parser.add_argument("--peak-rss", action="store_true",
+                        help="run each variant alone in a fresh process (one after another) and report its peak "
+                             "resident memory beside its step times")
+    parser.add_argument("--single", help=argparse.SUPPRESS)  # the child process of --peak-rss: one variant
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every variant")
     return parser.parse_args(argv)
 
@@ -152,7 +168,7 @@ class Variant:
 
     def __init__(self, name: str, args: argparse.Namespace):
         overrides = [f"model.name={args.model}", "model.pretrained=null", *args.overrides, *VARIANTS[name]]
-        cfg = load_config([], overrides)
+        cfg = load_config([REPO_ROOT / CONFIG_FILES[name]] if name in CONFIG_FILES else [], overrides)
         torch.manual_seed(0)
         self.name = name
         self.module = method_class(cfg.method.name)(cfg).to(args.device).train()
@@ -204,40 +220,95 @@ def measure(variants: List[Variant], repeats: int, warmup: int) -> None:
             variant.step(timed=round_index >= warmup)
 
 
-def report(variants: List[Variant], args: argparse.Namespace) -> dict:
-    medians = {v.name: statistics.median(v.times) for v in variants}
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (getrusage's ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@dataclass
+class Measured:
+    """What one variant's steps gave: step times, the memory of `memory_kind`, the process's peak RSS."""
+
+    name: str
+    times: List[float]
+    memory_bytes: int
+    peak_rss_bytes: Optional[int] = None
+
+
+def run_single(args: argparse.Namespace) -> None:
+    """The child of --peak-rss: one variant alone in this process; its measurements as JSON on the last line."""
+    variant = Variant(args.single, args)
+    measure([variant], args.repeats, args.warmup)
+    print(json.dumps({"times": variant.times, "memory_bytes": variant.memory_bytes,
+                      "peak_rss_bytes": peak_rss_bytes()}))
+
+
+def measure_in_fresh_processes(names: List[str], args: argparse.Namespace) -> List[Measured]:
+    """Each variant in its own `python -m perf.step --single NAME` process, one at a time (never two models'
+    memory at once), with this run's settings."""
+    settings = ["--model", args.model, "--batch-size", str(args.batch_size), "--repeats", str(args.repeats),
+                "--warmup", str(args.warmup), "--device", args.device, "--precision", args.precision]
+    results = []
+    for name in names:
+        command = [sys.executable, "-m", "perf.step", "--single", name, *settings, *args.overrides]
+        done = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"perf.step --single {name} failed with exit code {done.returncode}")
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        results.append(Measured(name, row["times"], row["memory_bytes"], row["peak_rss_bytes"]))
+        print(f"{name}: peak RSS {row['peak_rss_bytes'] / 2 ** 30:.2f} GiB", flush=True)
+    return results
+
+
+def report(measured: List[Measured], args: argparse.Namespace) -> dict:
+    medians = {m.name: statistics.median(m.times) for m in measured}
     reference = medians.get(REFERENCE)
     memory_kind = "cuda_peak_allocated" if args.device.startswith("cuda") else "saved_for_backward"
+    methods = {}
+    for m in measured:
+        methods[m.name] = {"median_step_s": medians[m.name],
+                           "ratio_to_clip_ft": medians[m.name] / reference if reference else None,
+                           "memory_mib": m.memory_bytes / 2 ** 20, "step_times_s": m.times}
+        if m.peak_rss_bytes is not None:
+            methods[m.name]["peak_rss_gib"] = m.peak_rss_bytes / 2 ** 30
     return {
         "model": args.model, "batch_size": args.batch_size, "device": args.device, "precision": args.precision,
         "repeats": args.repeats, "memory_kind": memory_kind,
-        "methods": {name: {"median_step_s": medians[name],
-                           "ratio_to_clip_ft": medians[name] / reference if reference else None,
-                           "memory_mib": v.memory_bytes / 2 ** 20, "step_times_s": v.times}
-                    for name, v in zip(medians, variants)},
+        "timing": "sequential, one fresh process per variant" if args.peak_rss else "interleaved, one process",
+        "methods": methods,
     }
 
 
 def print_table(result: dict) -> None:
     print(f"\n{result['model']}, batch {result['batch_size']}, {result['device']}, precision {result['precision']}, "
-          f"median of {result['repeats']} interleaved steps; memory = {result['memory_kind']}")
-    print(f"{'method':<16}{'step (s)':>10}{'x CLIP-FT':>11}{'memory (MiB)':>14}")
+          f"median of {result['repeats']} steps ({result['timing']}); memory = {result['memory_kind']}")
+    with_rss = any("peak_rss_gib" in row for row in result["methods"].values())
+    print(f"{'method':<24}{'step (s)':>10}{'x CLIP-FT':>11}{'memory (MiB)':>14}"
+          + (f"{'peak RSS (GiB)':>16}" if with_rss else ""))
     for name, row in result["methods"].items():
         ratio = f"{row['ratio_to_clip_ft']:.2f}" if row["ratio_to_clip_ft"] is not None else "-"
-        print(f"{name:<16}{row['median_step_s']:>10.3f}{ratio:>11}{row['memory_mib']:>14.0f}")
+        rss = f"{row['peak_rss_gib']:>16.2f}" if with_rss else ""
+        print(f"{name:<24}{row['median_step_s']:>10.3f}{ratio:>11}{row['memory_mib']:>14.0f}{rss}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Optional[Sequence[str]] = None) -> Optional[dict]:
     args = parse_args(argv)
+    if args.single:
+        return run_single(args)
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown perf variants {unknown}; known: {sorted(VARIANTS)}")
     if REFERENCE not in names:
         names.insert(0, REFERENCE)
-    variants = [Variant(name, args) for name in names]
-    measure(variants, args.repeats, args.warmup)
-    result = report(variants, args)
+    if args.peak_rss:
+        measured = measure_in_fresh_processes(names, args)
+    else:
+        variants = [Variant(name, args) for name in names]
+        measure(variants, args.repeats, args.warmup)
+        measured = [Measured(v.name, v.times, v.memory_bytes) for v in variants]
+    result = report(measured, args)
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -413,6 +413,47 @@ def test_perturbation_chunking_does_not_change_the_result(ctx):
     assert_close(one_by_one, whole)
 
 
+def perturbation_and_gradients(ctx, options: AttributionOptions):
+    """The perturbation attribution from the training forward (no traces) and its weighted sum's gradients."""
+    text = ctx.encoders.encode_text(ctx.ids, keep_block_inputs=True)
+    inputs = TextAttributionInputs(ctx.encoders, ctx.ids, ctx.image, text, ctx.word_ends, ctx.replacements)
+    attribution = text_attribution("perturbation", inputs, replace(options, renormalise=False))
+    weights = torch.linspace(-1, 1, attribution.numel()).view_as(attribution)
+    parameters = [p for name, p in ctx.model.named_parameters() if not name.startswith("visual.")]
+    return attribution.detach(), torch.autograd.grad((attribution * weights).sum(), parameters, allow_unused=True)
+
+
+def spy(monkeypatch, name: str, record: Callable[..., None]) -> None:
+    """Let `record(ids, *args)` see every call of CLIPEncoders.<name> (which then runs as usual)."""
+    method = getattr(CLIPEncoders, name)
+
+    def recorded(self, ids, *args, **kwargs):
+        record(ids, *args)
+        return method(self, ids, *args, **kwargs)
+    monkeypatch.setattr(CLIPEncoders, name, recorded)
+
+
+@pytest.mark.parametrize("options", [AttributionOptions(), TOKEN], ids=["kind", "token"])
+def test_perturbation_runs_each_caption_from_its_replaced_word_only(ctx, options, monkeypatch):
+    """The text tower is causal: before the replaced word a perturbed caption's hidden states are the original's.
+    Only the positions from the word to the new EOS run (no whole forward of a perturbed caption); the values
+    (see test_matches_reference) and the gradients that reach the text weights are those of whole forwards."""
+    continued, whole_forwards = [], []
+    spy(monkeypatch, "encode_text_continuations",
+        lambda ids, start, *rest: continued.append(int((ids.argmax(dim=-1) - start + 1).sum())))
+    spy(monkeypatch, "encode_text", lambda ids, *rest: whole_forwards.append(ids.shape))
+    shared, shared_grads = perturbation_and_gradients(ctx, options)
+    assert len(whole_forwards) == 1 and continued  # the original captions' own forward, then continuations
+    monkeypatch.setattr(CLIPEncoders, "shares_text_prefixes", property(lambda self: False))
+    whole, whole_grads = perturbation_and_gradients(ctx, options)
+    perturbed_rows = sum(int(shape[0] * shape[1]) for shape in whole_forwards[2:])
+    assert sum(continued) < 0.7 * perturbed_rows  # the words' prefixes do not run again
+    assert_close(shared, whole)
+    for a, b in zip(shared_grads, whole_grads):
+        assert (a is None) == (b is None)
+        assert a is None or scaled_close(a, b, 1e-5)
+
+
 @pytest.mark.parametrize("renormalise", [True, False])
 @pytest.mark.parametrize("method", list(ATTRIBUTIONS))
 def test_zero_outside_content_and_unit_mass(ctx, method, renormalise):

@@ -1,6 +1,9 @@
 """CLIPEncoders against open_clip's own forward, naive attention, and embedding-level masking."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import open_clip
 import pytest
 import torch
@@ -174,3 +177,130 @@ def test_trimming_after_the_last_eos_keeps_the_pooled_text_features():
     assert scaled_close(trimmed.pooled, full.pooled, RTOL)
     assert scaled_close(traced.pooled, full.pooled, RTOL)
     assert scaled_close(trimmed.tokens, full.tokens[:, : trimmed.tokens.shape[1]], RTOL)
+
+
+def quick_or_plain_gelu_model(quick_gelu: bool):
+    build_model("ViT-Tiny-16-64", None, "configs/models")  # registers the tiny config
+    torch.manual_seed(0)
+    return open_clip.create_model("ViT-Tiny-16-64", force_quick_gelu=quick_gelu).train()
+
+
+def weighted_sum(*tensors: torch.Tensor) -> torch.Tensor:
+    """A loss that weights every entry differently (a plain sum would hide transposed or swapped entries)."""
+    return sum((t * torch.linspace(-1, 1, t.numel()).view_as(t)).sum() for t in tensors)
+
+
+@pytest.mark.parametrize("quick_gelu", [False, True])
+def test_recomputed_mlp_activations_give_the_same_values_and_gradients(quick_gelu):
+    """MACCO's memory saver (recompute_activations): the activation is computed again from the kept
+    pre-activation by the same kernels, so the features and every gradient are equal bit for bit."""
+    model = quick_or_plain_gelu_model(quick_gelu)
+    encoders = CLIPEncoders(model)
+    ids, images = open_clip.get_tokenizer("ViT-Tiny-16-64")(CAPTIONS), images_for(model)
+    runs = []
+    for recompute in (False, True):
+        encoders.recompute_activations = recompute
+        text, image = encoders.encode_text(ids, trim=True), encoders.encode_image(images)
+        outputs = (text.tokens, text.pooled, image.patches, image.pooled)
+        grads = torch.autograd.grad(weighted_sum(*outputs), list(model.parameters()), allow_unused=True)
+        runs.append(([o.detach() for o in outputs], grads))
+    (plain_out, plain_grads), (recomputed_out, recomputed_grads) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain_out, recomputed_out))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain_grads, recomputed_grads))
+
+
+def test_recomputed_mlp_activations_under_bf16_autocast_with_two_forwards_in_one_region():
+    """Mixed precision, as bf16-mixed training runs MACCO: the second text forward of an autocast region finds
+    the weights' bf16 copies in autocast's cache, the recomputation in the backward would not; the recomputed
+    path still runs. Its values are the plain path's bit for bit; so are the gradients except c_proj's, whose
+    weight it casts once per forward: their two parts add in float32, not in bfloat16 (one bf16 rounding)."""
+    model = quick_or_plain_gelu_model(quick_gelu=True)
+    encoders = CLIPEncoders(model)
+    ids = open_clip.get_tokenizer("ViT-Tiny-16-64")(CAPTIONS)
+    runs = []
+    for recompute in (False, True):
+        encoders.recompute_activations = recompute
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            first, second = encoders.encode_text(ids, trim=True), encoders.encode_text(ids.flip(0), trim=True)
+            outputs = (first.tokens, second.tokens, first.pooled, second.pooled)
+        assert first.tokens.dtype == torch.bfloat16
+        grads = torch.autograd.grad(weighted_sum(*outputs), list(model.parameters()), allow_unused=True)
+        runs.append(([o.detach() for o in outputs], grads))
+    (plain_out, plain_grads), (recomputed_out, recomputed_grads) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain_out, recomputed_out))
+    for (name, _), plain, recomputed in zip(model.named_parameters(), plain_grads, recomputed_grads):
+        assert (plain is None) == (recomputed is None), name
+        if plain is not None and ".mlp.c_proj." in name:
+            assert scaled_close(recomputed, plain, 1e-2), name  # bfloat16 keeps 8 bits: 2^-8 = 4e-3
+        elif plain is not None:
+            assert torch.equal(recomputed, plain), name
+
+
+@pytest.mark.parametrize("quick_gelu", [False, True])
+def test_recomputed_mlp_activations_are_not_kept_for_the_backward(quick_gelu):
+    """With recompute_activations nothing holds a block's activation output once the forward is done (the graph
+    keeps the pre-activation only); without it the graph keeps it for c_proj's backward."""
+    model = quick_or_plain_gelu_model(quick_gelu)
+    encoders = CLIPEncoders(model)
+    activation = model.visual.transformer.resblocks[0].mlp.gelu
+    kept = {}
+    for recompute in (False, True):
+        encoders.recompute_activations = recompute
+        outputs = []
+        hook = activation.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+        try:
+            pooled = encoders.encode_image(images_for(model)).pooled  # the graph stays alive with `pooled`
+        finally:
+            hook.remove()
+        gc.collect()
+        kept[recompute] = [ref() is not None for ref in outputs]
+        pooled.sum().backward()  # the recomputation runs (and finds its input) in the backward
+    assert kept == {False: [True], True: [False]}
+
+
+def first_difference(ids: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    return (ids != sources).to(torch.int64).argmax(dim=1)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_continuations_of_a_shared_prefix_equal_whole_forwards(tiny, chunk_size):
+    """encode_text_continuations runs only positions start..EOS of captions that agree with an encoded caption
+    before `start`; pooled features and their gradients are those of whole forwards, whether a continuation is
+    longer than its source, shorter (down to EOS alone) or as long, from a trimmed source forward, all at once or
+    in chunks (sorted by length, returned in the given order)."""
+    built, encoders = tiny
+    tokenizer = built.tokenizer
+    sources = tokenizer(["a red cube left of a blue ball", "a dog on a mat"])
+    variants = tokenizer(["a red sphere left of a blue ball", "a red cube far to the right of a blue ball",
+                          "a red cube", "a dog under the old wooden table", "a cat on a mat"])
+    source = torch.tensor([0, 0, 0, 1, 1])
+    start = first_difference(variants, sources[source])
+    assert start.tolist() == [3, 4, 4, 3, 2]  # "a red cube" ends where the source goes on: EOS alone runs
+    parameters = [p for name, p in built.model.named_parameters() if not name.startswith("visual.")]
+    text = encoders.encode_text(sources, trim=True, keep_block_inputs=True)
+    assert len(text.block_inputs) == len(built.model.transformer.resblocks)
+    continued = encoders.encode_text_continuations(variants, start, source, text.block_inputs, chunk_size)
+    whole = encoders.encode_text(variants).pooled
+    assert scaled_close(continued.detach(), whole.detach(), RTOL)
+    continued_grads = torch.autograd.grad(weighted_sum(continued), parameters, allow_unused=True)
+    whole_grads = torch.autograd.grad(weighted_sum(whole), parameters, allow_unused=True)
+    for name, a, b in zip([n for n, _ in built.model.named_parameters() if not n.startswith("visual.")],
+                          continued_grads, whole_grads):
+        assert (a is None) == (b is None), name
+        assert a is None or scaled_close(a, b, RTOL), name
+
+
+def test_continuations_under_bf16_autocast_follow_whole_forwards(tiny):
+    """bf16-mixed training (CAE's perturbation on a GPU): the packed continuation rows come out of autocast in
+    bfloat16 and the result matches whole forwards under the same autocast to bfloat16's rounding (8 bits)."""
+    built, encoders = tiny
+    sources = built.tokenizer(["a red cube left of a blue ball", "a dog on a mat"])
+    variants = built.tokenizer(["a red sphere left of a blue ball", "a cat on a mat"])
+    source = torch.tensor([0, 1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        text = encoders.encode_text(sources, trim=True, keep_block_inputs=True)
+        start = first_difference(variants, sources)
+        continued = encoders.encode_text_continuations(variants, start, source, text.block_inputs)
+        whole = encoders.encode_text(variants).pooled
+    assert continued.dtype == torch.bfloat16
+    assert scaled_close(continued.float(), whole.float(), 3e-2)

@@ -16,7 +16,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_fit import mask_cache, shapes_root, tiny_config  # noqa: F401 (pytest fixtures)
 
 from lightning_modules import METHODS
+from lightning_modules.base import total_loss
 from lightning_modules.config import REPO_ROOT, load_config
+from lightning_modules.encoders import TextFeatures
 from lightning_modules.export import load_export
 from lightning_modules.fit import run
 from lightning_modules.losses import (masked_contrastive_loss, masked_patch_loss, masked_token_loss,
@@ -406,6 +408,52 @@ def test_trimming_the_text_is_exact_with_the_key_padding_mask(module):
             module.trim_text = True
     for name in trimmed:
         assert trimmed[name].item() == pytest.approx(full[name].item(), rel=1e-5, abs=1e-6), name
+
+
+def plain_text_pair(module: MaccoCLIP):
+    """The text forward without the memory savers: full and masked captions in one 2B forward at the full
+    copy's length (the original's layout)."""
+    def encode_text_pair(ids, text_mask):
+        replace = torch.cat([torch.zeros_like(text_mask), text_mask])
+        both = module.encoders.encode_text(torch.cat([ids, ids]), replace=replace, mask_token=module.text_mask_token,
+                                           trim=module.trim_text)
+        return tuple(TextFeatures(pooled=p, tokens=t, embeddings=e) for p, t, e in
+                     zip(both.pooled.chunk(2), both.tokens.chunk(2), both.embeddings.chunk(2)))
+    return encode_text_pair
+
+
+def terms_and_gradients(module: MaccoCLIP, batch: dict):
+    terms, _ = module.compute_terms(batch)
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(total_loss(terms), [p for p in module.parameters() if p.requires_grad],
+                                allow_unused=True)
+    return {name: value.detach() for name, value in terms.items()}, dict(zip(names, grads))
+
+
+@pytest.mark.parametrize("overrides", [["method.key_padding_mask=false"], []], ids=["paper", "ours"])
+def test_memory_savers_change_no_loss_and_no_gradient(overrides, monkeypatch):
+    """The masked caption stopped at the batch's last EOS and the towers recomputing their MLP activations in the
+    backward, against the plain path (one 2B text forward at the full copy's length, every activation kept):
+    the same four terms and the same gradient of every parameter, up to rounding (other matrix shapes)."""
+    module = make_module(*overrides)
+    batch = make_batch(module)
+    assert module.encoders.recompute_activations
+    with torch.no_grad():
+        out = module.macco_forward(batch)
+    assert out.masked_text.tokens.shape[1] == int(batch["text"].argmax(dim=-1).max()) + 1  # the saver is on
+    saved_terms, saved_grads = terms_and_gradients(module, batch)
+    module.encoders.recompute_activations = False
+    monkeypatch.setattr(module, "encode_text_pair", plain_text_pair(module))
+    with torch.no_grad():
+        assert module.macco_forward(batch).masked_text.tokens.shape[1] == out.text.tokens.shape[1]
+    plain_terms, plain_grads = terms_and_gradients(module, batch)
+    assert saved_terms.keys() == plain_terms.keys()
+    for name in plain_terms:
+        assert saved_terms[name].item() == pytest.approx(plain_terms[name].item(), rel=1e-5, abs=0), name
+    for name, plain in plain_grads.items():
+        saved = saved_grads[name]
+        assert (saved is None) == (plain is None), name
+        assert saved is None or scaled_close(saved, plain, 1e-4), name
 
 
 def test_without_the_key_padding_mask_every_text_position_is_a_key():
