@@ -80,7 +80,7 @@ study: setup $(STUDY)/annotations/heldout.json
 	$(PY) -m datamodules.features --config configs/study/finetune.yaml --config configs/study/with_negatives.yaml \
 		--config configs/study/tflocal.yaml
 	$(PY) -m slurm.sweep configs/sweeps/study.yaml --local --jobs $(STUDY_JOBS)
-	$(PY) -m lightning_modules.study --sweep runs/study/sweep
+	$(PY) -m lightning_modules.study --sweep runs/study/sweep --mechanism-limit 64 --mechanism-splits test
 
 $(STUDY)/annotations/heldout.json: | $(STAMP)
 	$(PY) -m datamodules.shapes --out $(STUDY) --n-train 4000 --n-val 500 --image-size 64 --seed $(STUDY_SEED)
