@@ -38,3 +38,16 @@ def test_a_short_probe_trains_and_reports_its_history(tmp_path, pos_embed):
     assert [entry["step"] for entry in history] == [2, 4]
     assert all(0.0 <= entry["val_accuracy"] <= 1.0 and entry["loss"] > 0 for entry in history)
     assert json.loads(out.read_text())["history"] == history
+
+
+def test_the_position_override_reaches_the_tower():
+    from pathlib import Path
+
+    from perf.position_probe import build_tower
+
+    learnable = build_tower("ViT-Tiny-16-64", Path("configs/models"), None, None)
+    sincos = build_tower("ViT-Tiny-16-64", Path("configs/models"), "sin_cos_2d", None)
+    assert learnable.positional_embedding.requires_grad
+    # open_clip's fixed 2-D sin-cos table: frozen, and its CLS row is zeros.
+    assert not sincos.positional_embedding.requires_grad
+    assert float(sincos.positional_embedding[0].abs().sum()) == 0.0
