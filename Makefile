@@ -59,6 +59,7 @@ gpu-check: setup
 # For a GPU machine that has no package registry and no spaCy (this workplace's lent GPU: python3 3.12 with torch,
 # lightning, timm, ... but not the packages below, and transformers 5, which GroundingDINO cannot use): wheels of
 # what it lacks and the training batch's caption records, into $(GPU_PREP)/ (git-ignored; carried to the machine).
+# pycocotools is groundingdino-py's own dependency (the wheels install with --no-deps); nothing of ours imports it.
 GPU_PREP := .gpu
 GPU_WHEELS := open-clip-torch==3.3.0 ftfy==6.3.1 wcwidth==0.9.4 omegaconf==2.4.0 addict==2.4.0 yapf==0.43.0 \
 	platformdirs==4.14.9 pycocotools==2.0.11 transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2
