@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
-from datamodules.files import atomic_write_bytes
+from core.files import atomic_write_bytes
 
 CACHE_FORMAT_VERSION = 1
 COUNT_KEYS = ("captions", "parsed", "no_object", "no_composition", "phrases", "grounded",

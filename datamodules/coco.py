@@ -552,7 +552,7 @@ class CocoDataModule(L.LightningDataModule):
     `DistributedSampler`, whose (seed, epoch) order makes runs reproducible and resumable.
 
     Args:
-        data: the `data` section of the config (fields of `lightning_modules.config.DataConfig`).
+        data: the `data` section of the config (fields of `core.config.DataConfig`).
         tokenizer: the model's open_clip tokenizer.
         train_transform: the model's training image transform (used when `data.train_augment`).
         val_transform: the model's evaluation image transform.

@@ -47,11 +47,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from core.files import atomic_write_bytes
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from datamodules.cache import CacheError, ShardedCache, cache_key, file_sha256, write_json
 from datamodules.coco import (IMAGE_ERRORS, build_dataloader, check_enough_samples, cycled_negative_rows,
                               find_truncated, read_image_ids, tokenize_captions, trainer_epoch_position)
-from datamodules.files import atomic_write_bytes
 from datamodules.inputs import InputError, check_feature_inputs
 
 log = logging.getLogger("datamodules.features")
@@ -401,7 +401,7 @@ def shard_image_count(paths: Sequence[str], index: int, size: int) -> int:
 
 def build_frozen_backbone(cfg) -> Tuple[FrozenBackbone, Dict[str, Any]]:
     """The configured CLIP, built exactly as the training module builds it (same seed for a random init)."""
-    from lightning_modules.encoders import CLIPEncoders, build_model  # the model code; the DataModule needs none
+    from core.encoders import CLIPEncoders, build_model  # the model code; the DataModule needs none
 
     L.seed_everything(cfg.seed, workers=True)  # fit seeds the same way before building the module
     built = build_model(cfg.model.name, cfg.model.pretrained, cfg.model.config_dir)
@@ -446,7 +446,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from lightning_modules.config import load_config_or_exit
+    from core.config import load_config_or_exit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)

@@ -13,7 +13,7 @@ from typing import List
 from parsers.grounding_inputs import groundingdino_input_problems
 
 SPLITS = ("train", "val")
-# The `preprocess` keys that name GroundingDINO's inputs (see lightning_modules/config.py).
+# The `preprocess` keys that name GroundingDINO's inputs (see core/config.py).
 GROUNDINGDINO_KEYS = {"config_file": "preprocess.groundingdino_config",
                       "checkpoint": "preprocess.groundingdino_checkpoint",
                       "text_encoder": "preprocess.text_encoder",

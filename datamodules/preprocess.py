@@ -348,7 +348,7 @@ def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     # The experiment config schema lives with the training code; only this entry point needs it.
-    from lightning_modules.config import load_config_or_exit
+    from core.config import load_config_or_exit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)

@@ -1,8 +1,13 @@
 """Training methods for compositional CLIP, selected by `method.name` through `METHODS`.
 
 `METHODS` is built on first access (PEP 562): the method modules import Lightning and open_clip (about 10 s),
-and the light parts of this package (`lightning_modules.config`) are imported by CLIs that must validate
-their inputs and fail within a second or two, before any of that.
+and CLIs that import this package only to look a method up must validate their inputs and fail within a second
+or two, before any of that.
+
+The training side of the layers (README "Layout"): this package builds on `evaluation` (benchmarks scored during
+training, the aligner the TFLocal module trains), `datamodules`, `parsers` and `core` (config schema, encoders,
+export), and only `slurm` and `perf` import it. The methods, one file each on `base.py`: clip_ft.py,
+clip_cae.py, macco.py, smartclip.py, tflocal.py.
 """
 from __future__ import annotations
 

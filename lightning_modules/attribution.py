@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # The options are the config schema's `method.attribution` section (fields and defaults documented there).
-from lightning_modules.config import AttributionConfig as AttributionOptions
-from lightning_modules.encoders import AttentionTrace, CLIPEncoders, TextFeatures, run_block
+from core.config import AttributionConfig as AttributionOptions
+from core.encoders import AttentionTrace, CLIPEncoders, TextFeatures, run_block
 
 HEADS = ("multi", "single")
 TEXT_LAMBDA_RANGES = ("all_positions", "up_to_eos")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from lightning_modules.encoders import BuiltModel, CLIPEncoders, build_model
+from core.encoders import BuiltModel, CLIPEncoders, build_model
 from lightning_modules.long_context import (STRETCH_DTYPES, restore_kept_positions, stretch_text_context,
                                             zero_kept_gradients)
 

@@ -13,10 +13,10 @@ from typing import Iterator, Optional
 import lightning as L
 from torch import nn
 
-from lightning_modules.evaluation import flat_scalars, run_all
-from lightning_modules.export import export_model
+from core.export import export_model
+from evaluation.harness import flat_scalars, run_all
+from evaluation.scorers import ClipScorer
 from lightning_modules.resume import PREVIOUS_CHECKPOINT
-from lightning_modules.scorers import ClipScorer
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from datamodules.benchmarks.base import ImageRef
-from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.retrieval import CocoRetrieval
-from datamodules.benchmarks.two_by_two import ShapesSwap
+from core.encoders import CLIPEncoders
+from evaluation.aligner import AlignerScorer, is_aligner_export
+from evaluation.benchmarks.base import ImageRef
+from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.retrieval import CocoRetrieval
+from evaluation.benchmarks.two_by_two import ShapesSwap
+from evaluation.evaluate import SCORERS
+from evaluation.harness import run_benchmark
+from evaluation.scorers import ClipScorer
 from lightning_modules.attribution import AttributionOptions
-from lightning_modules.encoders import CLIPEncoders
-from lightning_modules.evaluate import SCORERS
-from lightning_modules.evaluation import run_benchmark
 from lightning_modules.monitor import image_embeddings, make_probe, probe_attribution, summarise
-from lightning_modules.scorers import ClipScorer
-from lightning_modules.tflocal import AlignerScorer, is_aligner_export
 from parsers.scene_graph import SceneGraphParser
 
 SWAP_TYPES = ("attribute", "relation", "object")

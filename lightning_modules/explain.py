@@ -30,11 +30,11 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torchvision import transforms
 
-from datamodules.files import atomic_write_bytes, atomic_write_text
+from core.encoders import BuiltModel, CLIPEncoders, build_model
+from core.files import atomic_write_bytes, atomic_write_text
 from lightning_modules.attribution import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
                                            TextAttributionInputs, eos_positions, image_grad_eclip, text_attribution,
                                            word_end_table)
-from lightning_modules.encoders import BuiltModel, CLIPEncoders, build_model
 
 DEFAULTS = AttributionOptions()
 END_OF_WORD = "</w>"
@@ -98,7 +98,7 @@ def load_model(args: argparse.Namespace) -> BuiltModel:
     """The run's export, or an open_clip model (build_model switches OpenAI weights to QuickGELU)."""
     try:
         if args.run is not None:
-            from lightning_modules.export import load_export
+            from core.export import load_export
 
             return load_export(args.run / "export")
         return build_model(args.model, args.pretrained, args.config_dir)

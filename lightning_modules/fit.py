@@ -24,16 +24,16 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from datamodules.benchmarks import Benchmark
+from core.config import load_config_or_exit, save_config
 from datamodules.coco import CocoDataModule
 from datamodules.inputs import InputError, check_data_inputs
+from evaluation.benchmarks import Benchmark
+from evaluation.harness import build_benchmarks, default_roots
+from evaluation.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
 from lightning_modules import METHODS, method_class
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
                                         SamplesPerSecond)
-from lightning_modules.config import load_config_or_exit, save_config
-from lightning_modules.evaluation import build_benchmarks, default_roots
-from lightning_modules.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
 from lightning_modules.monitor import build_attribution_monitor
 from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, candidates, check_resume_config,
                                      checked_checkpoint, checkpoint_step, choose_resume_checkpoint, ResumeConfigError)

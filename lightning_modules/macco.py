@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
+from core.encoders import ImageFeatures, TextFeatures
 from lightning_modules.base import CompositionalCLIPModule, Terms
-from lightning_modules.encoders import ImageFeatures, TextFeatures
 from lightning_modules.losses import (ClipLoss, masked_contrastive_loss, masked_patch_loss, masked_token_loss,
                                       normalised_patch_targets)
 

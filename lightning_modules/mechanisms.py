@@ -59,13 +59,13 @@ from omegaconf import DictConfig
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from datamodules.benchmarks.base import ImageRef
-from datamodules.benchmarks.images import load_image
+from core.config import load_config
+from core.encoders import CLIPEncoders, canonical_model_name
+from core.export import load_export, read_export_metadata
 from datamodules.shapes import OPPOSITE_RELATION, load_scene_graphs
+from evaluation.benchmarks.base import ImageRef
+from evaluation.benchmarks.images import load_image
 from lightning_modules.attribution import AttributionOptions
-from lightning_modules.config import load_config
-from lightning_modules.encoders import CLIPEncoders, canonical_model_name
-from lightning_modules.export import load_export, read_export_metadata
 from lightning_modules.losses import mean_over_masked_samples
 from lightning_modules.modular_losses import straight_through_mask
 from lightning_modules.monitor import image_embeddings, make_probe, probe_attribution, summarise

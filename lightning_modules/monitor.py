@@ -38,6 +38,7 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig
 from torch import Tensor
 
+from core.encoders import CLIPEncoders, TextFeatures
 from datamodules.annotations import read_annotation_file
 from datamodules.coco import CocoCaptions
 from lightning_modules.attribution import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs,
@@ -45,7 +46,6 @@ from lightning_modules.attribution import (ATTRIBUTIONS, AttributionOptions, Tex
                                            eos_positions, group_means, image_grad_eclip, text_attribution,
                                            token_kinds, word_end_table)
 from lightning_modules.callbacks import eval_mode
-from lightning_modules.encoders import CLIPEncoders, TextFeatures
 from parsers.scene_graph import SceneGraph, SceneGraphParser
 from parsers.token_alignment import spans_to_token_mask
 

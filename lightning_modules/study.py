@@ -16,7 +16,7 @@ Settings come from the sweep file's `study:` block (copied into sweep.json), eve
       splits: [test, test_unseen]      # the reporting splits (never used for selection)
       frozen:                          # rows scored without training, from one backbone (a run dir or export)
         backbone: runs/study/backbone
-        rows: {frozen_cosine: clip, sgi: sgi}  # row label -> scorer (lightning_modules.evaluate.SCORERS)
+        rows: {frozen_cosine: clip, sgi: sgi}  # row label -> scorer (evaluation.evaluate.SCORERS)
         reference: frozen_cosine       # the frozen cosine (default: the one row scored by `clip`)
         methods: [tflocal, tfglobal]   # frozen-backbone methods: compared with the reference, not the baseline
       bootstrap: {resamples: 10000, seed: 0}
@@ -62,9 +62,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from datamodules.files import atomic_write_text
+from core.files import atomic_write_text
+from lightning_modules.runs import RUN_LOG, SWEEP_FILE, export_complete
 from lightning_modules.study_stats import DEFAULT_RESAMPLES, Interval, paired_bootstrap, seed_interval
-from slurm.sweep import RUN_LOG, SWEEP_FILE, export_complete
 
 CACHE_FILE = "study_eval.json"
 CACHE_VERSION = 1
@@ -181,7 +181,7 @@ def parse_frozen(frozen: object) -> Optional[FrozenRows]:
     rows = frozen.get("rows")
     if not frozen.get("backbone") or not isinstance(rows, dict) or not rows:
         raise StudyError("study.frozen needs a backbone (run directory or export) and rows {label: scorer}")
-    from lightning_modules.evaluate import SCORERS
+    from evaluation.evaluate import SCORERS
 
     unknown = sorted(scorer for scorer in rows.values() if scorer not in SCORERS)
     if unknown:
@@ -326,10 +326,10 @@ def check_grid(study: Study) -> None:
 # ----- scoring and its cache --------------------------------------------------------------------------------
 def score_splits(export_dir: Path, scorer_name: str, data: Path, splits: Sequence[str]) -> Dict[str, SplitEval]:
     """The real evaluator: swap-set outcomes and retrieval on each split, the export loaded once."""
-    from datamodules.benchmarks.retrieval import CocoRetrieval
-    from datamodules.benchmarks.two_by_two import ShapesSwap
+    from evaluation.benchmarks.retrieval import CocoRetrieval
+    from evaluation.benchmarks.two_by_two import ShapesSwap
     from lightning_modules.demo import build_scorer
-    from lightning_modules.evaluation import run_benchmark
+    from evaluation.harness import run_benchmark
 
     scorer = build_scorer(Path(export_dir), scorer_name)
     scored = {}

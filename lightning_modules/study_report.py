@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from datamodules.files import atomic_write_text
+from core.files import atomic_write_text
 from lightning_modules.study import (METRICS, NO_CONDITION, PAIRED_METRICS, Cell, Comparison, Evaluations,
                                      Progress, Selection, Study, Summary, _finite, comparisons, metric_values,
                                      study_cells, summarise)

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from datamodules.benchmarks import build_benchmark
-from datamodules.benchmarks.base import ItemBenchmark, unique
-from datamodules.benchmarks.standin import STANDINS
-from lightning_modules.evaluation import run_benchmark
-from lightning_modules.scorers import ClipScorer, Scorer
-from lightning_modules.sgi import CROP_SETS, SGIScorer, crops_per_image, parse_grids
+from evaluation.benchmarks import build_benchmark
+from evaluation.benchmarks.base import ItemBenchmark, unique
+from evaluation.benchmarks.standin import STANDINS
+from evaluation.harness import run_benchmark
+from evaluation.scorers import ClipScorer, Scorer
+from evaluation.sgi import CROP_SETS, SGIScorer, crops_per_image, parse_grids
 from parsers.scene_graph import SceneGraphParser
 from perf import versus_clip_benchmark
 from perf.versus_clip_benchmark import SHARED_SUGARCREPE

@@ -23,7 +23,7 @@ grounding   GroundingDINO as the preprocessing job runs it (`parsers.grounding`,
             800 px on generated 640x480 images with 4 phrases each, random detector weights (as
             `preprocess.allow_random_detector`) and a random BERT-base (speed does not depend on the weights):
             images/s and (image, phrase) pairs/s.
-evaluation  our harness (`lightning_modules.evaluation.run_benchmark` with a `ClipScorer`, fp32 as the evaluate
+evaluation  our harness (`evaluation.harness.run_benchmark` with a `ClipScorer`, fp32 as the evaluate
             CLI's default) on generated stand-in data (`perf.evaluate.write_standin`): items/s.
 
 The device section gives the GPU's name, its dense bf16 peak (BF16_PEAK_TFLOPS, from vendor datasheets, or
@@ -409,9 +409,9 @@ def timed_passes(run: Callable[[], object], device: str, deadline: float) -> Lis
 # ----- evaluation ---------------------------------------------------------------------------------------------
 def evaluation_section(settings: Settings, device: str, budget_s: float, workdir: Path) -> dict:
     """Items/s of the harness per stand-in benchmark, each with a fresh scorer after a short warm-up."""
-    from datamodules.benchmarks import build_benchmark
-    from lightning_modules.evaluation import run_benchmark
-    from lightning_modules.scorers import ClipScorer
+    from evaluation.benchmarks import build_benchmark
+    from evaluation.harness import run_benchmark
+    from evaluation.scorers import ClipScorer
     from perf.evaluate import timed_run, write_standin
 
     deadline = time.perf_counter() + budget_s

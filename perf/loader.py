@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from core.config import load_config
+from core.encoders import CLIPEncoders, build_model
 from datamodules.coco import CocoDataModule
 from datamodules.preprocess import run as run_preprocess
 from datamodules.shapes import generate
-from lightning_modules.config import load_config
-from lightning_modules.encoders import CLIPEncoders, build_model
 
 DEFAULT_ROOT = Path("runs/perf_loader")
 

@@ -27,13 +27,13 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from core.config import load_config
 from datamodules.annotations import read_negclip_tsv
 from datamodules.features import TOKEN_DTYPE
 from datamodules.masks import CaptionMasks
 from datamodules.word_vocabulary import WordVocabulary
 from lightning_modules import method_class
 from lightning_modules.base import total_loss
-from lightning_modules.config import load_config
 from parsers.scene_graph import SceneGraphParser
 
 PAPER_ALIGNER = ["method.aligner_width=512", "method.aligner_layers=4", "method.aligner_heads=8"]

@@ -41,12 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from datamodules.benchmarks import build_benchmark
-from datamodules.benchmarks.base import unique
-from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
-from datamodules.benchmarks.sugarcrepe import SUBSETS
-from lightning_modules.evaluation import run_benchmark
-from lightning_modules.scorers import ClipScorer
+from evaluation.benchmarks import build_benchmark
+from evaluation.benchmarks.base import unique
+from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
+from evaluation.benchmarks.sugarcrepe import SUBSETS
+from evaluation.harness import run_benchmark
+from evaluation.scorers import ClipScorer
 
 CLIP_BENCHMARK_VERSION = "1.6.2"
 SHARED_SUGARCREPE = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"

@@ -43,13 +43,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
-from datamodules.files import atomic_write_text
+from core.files import atomic_write_text
+from lightning_modules.runs import RUN_LOG, SWEEP_FILE, export_complete
 
-SWEEP_FILE = "sweep.json"
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
                   "mem": None, "max_parallel": None, "extra": []}
 SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "exclude", "slurm", "study"}
-RUN_LOG = "sweep.log"
 # Thread-count variables a child run gets under --jobs: torch's intra-op pool reads OMP_NUM_THREADS at start.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -210,26 +209,6 @@ def submit(script: str) -> str:
     if result.returncode != 0:
         raise SystemExit(f"sbatch failed: {result.stderr.strip()}")
     return result.stdout.strip().split(";")[0]
-
-
-def export_complete(run_dir: Path) -> bool:
-    """Whether fit finished the run: its export's `model.json` (written last by ExportCallback) exists and, for
-    an aligner method (TFLocal / TFGlobal, whose module writes `aligner.json` after the callback), that too."""
-    export = Path(run_dir) / "export"
-    if not (export / "model.json").is_file():
-        return False
-    return (export / "aligner.json").is_file() or not _exports_aligner(Path(run_dir) / "config.yaml")
-
-
-def _exports_aligner(config_file: Path) -> bool:
-    """The run's method (from the config.yaml fit wrote) writes an aligner export; False without a config."""
-    if not config_file.is_file():
-        return False
-    from lightning_modules import method_class  # heavy (torch): only for a run that has an export
-    from lightning_modules.tflocal import AlignerModule
-
-    method = (yaml.safe_load(config_file.read_text()) or {}).get("method", {}).get("name")
-    return method is not None and issubclass(method_class(method), AlignerModule)
 
 
 def local_threads(jobs: int) -> int:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from collections import Counter
 
+from core.encoders import CLIPEncoders, build_model
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
 from lightning_modules.attribution import (
     ATTRIBUTIONS,
@@ -35,7 +36,6 @@ from lightning_modules.attribution import (
     word_end_table,
     word_groups,
 )
-from lightning_modules.encoders import CLIPEncoders, build_model
 from tolerance import assert_scaled_close, scaled_close
 
 # "axolotl" and "photosynthesizing" are split into several BPE pieces; "" has no content token at all.

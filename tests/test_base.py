@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from core.config import load_config
 from lightning_modules.base import total_loss, warmup_cosine
 from lightning_modules.clip_ft import ClipFineTune
-from lightning_modules.config import load_config
 from lightning_modules.fit import resolve_precision
 
 

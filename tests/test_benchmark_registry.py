@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from datamodules.benchmarks import BENCHMARKS, COMBINED, CombinedAggregate, build_benchmark
-from datamodules.benchmarks.standin import STANDINS
-from lightning_modules import evaluate
-from lightning_modules.evaluation import reaggregate, run_benchmark
-from lightning_modules.scorers import ClipScorer
+from evaluation import evaluate
+from evaluation.benchmarks import BENCHMARKS, COMBINED, CombinedAggregate, build_benchmark
+from evaluation.benchmarks.standin import STANDINS
+from evaluation.harness import reaggregate, run_benchmark
+from evaluation.scorers import ClipScorer
 
 
 @pytest.fixture(scope="module")

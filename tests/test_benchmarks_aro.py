@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datamodules.benchmarks import MissingBenchmarkData, perturbations
-from datamodules.benchmarks.aro import (
+from evaluation.benchmarks import MissingBenchmarkData, perturbations
+from evaluation.benchmarks.aro import (
     COCOOrder,
     Flickr30kOrder,
     VGAttribution,
@@ -18,9 +18,9 @@ from datamodules.benchmarks.aro import (
     excluded_relations,
     pre_caption,
 )
-from datamodules.benchmarks.base import ImageRef
-from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.perturbations import (
+from evaluation.benchmarks.base import ImageRef
+from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.perturbations import (
     ADJECTIVE_TAGS,
     NOUN_TAGS,
     perturb,
@@ -29,7 +29,7 @@ from datamodules.benchmarks.perturbations import (
     shuffle_within_trigrams,
     tag_captions,
 )
-from datamodules.benchmarks.standin.aro import (
+from evaluation.benchmarks.standin.aro import (
     COMMON_PAIR,
     KEPT_RELATIONS,
     RELATIONS,
@@ -38,7 +38,7 @@ from datamodules.benchmarks.standin.aro import (
     write_aro_vg_attribution,
     write_aro_vg_relation,
 )
-from lightning_modules.scorers import FunctionScorer
+from evaluation.scorers import FunctionScorer
 
 
 def _records(path: Path) -> list:

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from datamodules.benchmarks.aro import pre_caption
-from datamodules.benchmarks.base import MissingBenchmarkData
-from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.retrieval import CocoRetrieval, Flickr30kRetrieval, retrieval_ranks
-from datamodules.benchmarks.standin.retrieval import write_coco_retrieval, write_flickr30k_retrieval
-from lightning_modules.scorers import ClipScorer, FunctionScorer
+from evaluation.benchmarks.aro import pre_caption
+from evaluation.benchmarks.base import MissingBenchmarkData
+from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.retrieval import CocoRetrieval, Flickr30kRetrieval, retrieval_ranks
+from evaluation.benchmarks.standin.retrieval import write_coco_retrieval, write_flickr30k_retrieval
+from evaluation.scorers import ClipScorer, FunctionScorer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 WRITERS = {CocoRetrieval: write_coco_retrieval, Flickr30kRetrieval: write_flickr30k_retrieval}
@@ -184,7 +184,7 @@ def test_malformed_files_name_file_and_record(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_scorer():
-    from lightning_modules.encoders import build_model
+    from core.encoders import build_model
 
     torch.manual_seed(0)
     built = build_model("ViT-Tiny-16-64", None, str(CONFIGS))

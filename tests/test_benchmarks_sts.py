@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from datamodules.benchmarks.base import MissingBenchmarkData
-from datamodules.benchmarks.standin.sts import write_sickr, write_stsb
-from datamodules.benchmarks.sts import STSB, SickR, spearman
-from lightning_modules.scorers import ClipScorer, Scorer
+from evaluation.benchmarks.base import MissingBenchmarkData
+from evaluation.benchmarks.standin.sts import write_sickr, write_stsb
+from evaluation.benchmarks.sts import STSB, SickR, spearman
+from evaluation.scorers import ClipScorer, Scorer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 SEMEVAL_HEADER = "pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment"
@@ -170,7 +170,7 @@ def test_malformed_rows_name_the_file_and_row(tmp_path):
 # --- a real (tiny, random) open_clip model ----------------------------------------------------------------
 
 def test_tiny_clip_spearman_equals_a_naive_computation(tmp_path):
-    from lightning_modules.encoders import build_model
+    from core.encoders import build_model
 
     torch.manual_seed(0)
     built = build_model("ViT-Tiny-16-64", None, str(CONFIGS))

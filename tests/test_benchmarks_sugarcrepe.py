@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datamodules.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
-from datamodules.benchmarks.sugarcrepe import SUBSETS, SugarCrepe
+from evaluation.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
+from evaluation.benchmarks.sugarcrepe import SUBSETS, SugarCrepe
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="the shared data folder is not beside the repo")

@@ -15,12 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
-from datamodules.benchmarks.base import ImageRef, MissingBenchmarkData
-from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.standin import two_by_two as standin
-from datamodules.benchmarks.two_by_two import BiSCoRCtrl, BiVLC, ShapesSwap, Winoground, two_by_two_scores
 from datamodules.shapes import generate, load_swap_items
-from lightning_modules.scorers import ClipScorer, FunctionScorer
+from evaluation.benchmarks.base import ImageRef, MissingBenchmarkData
+from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.standin import two_by_two as standin
+from evaluation.benchmarks.two_by_two import BiSCoRCtrl, BiVLC, ShapesSwap, Winoground, two_by_two_scores
+from evaluation.scorers import ClipScorer, FunctionScorer
 
 RIGHT = np.array([[0.9, 0.1], [0.2, 0.8]])  # s[image i, caption j]: every comparison right
 TEXT_WRONG = np.array([[0.5, 0.6], [0.1, 0.9]])  # image 0 prefers caption 1; captions still pick their image
@@ -300,7 +300,7 @@ def test_end_to_end_bivlc_and_biscor_with_known_answers(tmp_path):
 def test_shapes_swap_with_a_tiny_clip_equals_a_direct_computation(tmp_path):
     from PIL import Image
 
-    from lightning_modules.encoders import build_model
+    from core.encoders import build_model
 
     generate(tmp_path, n_train=4, n_val=6, image_size=64, seed=0, n_swap=9)
     torch.manual_seed(0)

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datamodules.benchmarks.base import ImageRef, MissingBenchmarkData
-from datamodules.benchmarks.standin.valse import write_valse
-from datamodules.benchmarks.valse import PIECES, Valse
-from lightning_modules.scorers import FunctionScorer
+from evaluation.benchmarks.base import ImageRef, MissingBenchmarkData
+from evaluation.benchmarks.standin.valse import write_valse
+from evaluation.benchmarks.valse import PIECES, Valse
+from evaluation.scorers import FunctionScorer
 
 N_ITEMS = 20
 VALID_INDICES = [i for i in range(N_ITEMS) if i % 5 != 4]  # the stand-in makes every fifth record invalid

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datamodules.benchmarks.base import ImageRef, MissingBenchmarkData
-from datamodules.benchmarks.standin.vlchecklist import official_paths, write_vl_checklist
-from datamodules.benchmarks.vlchecklist import TAXONOMY, VLCheckList, dataset_of, first_with_image
-from lightning_modules import evaluate
-from lightning_modules.scorers import FunctionScorer
+from evaluation import evaluate
+from evaluation.benchmarks.base import ImageRef, MissingBenchmarkData
+from evaluation.benchmarks.standin.vlchecklist import official_paths, write_vl_checklist
+from evaluation.benchmarks.vlchecklist import TAXONOMY, VLCheckList, dataset_of, first_with_image
+from evaluation.scorers import FunctionScorer
 
 N_ITEMS = 20
 MISSING_KEPT = [i for i in range(N_ITEMS) if i % 3 != 1]  # Attribute/color/vaw: every third image is missing

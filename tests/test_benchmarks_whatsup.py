@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datamodules.benchmarks.base import MissingBenchmarkData
-from datamodules.benchmarks.standin import whatsup as standin
-from datamodules.benchmarks.whatsup import (
+from evaluation import evaluate
+from evaluation.benchmarks.base import MissingBenchmarkData
+from evaluation.benchmarks.standin import whatsup as standin
+from evaluation.benchmarks.whatsup import (
     WHATSUP_BENCHMARKS,
     WhatsUpA,
     WhatsUpB,
@@ -23,9 +24,8 @@ from datamodules.benchmarks.whatsup import (
     one_object_preposition,
     parse_controlled_name,
 )
-from lightning_modules import evaluate
-from lightning_modules.evaluation import combined_aggregates
-from lightning_modules.scorers import FunctionScorer
+from evaluation.harness import combined_aggregates
+from evaluation.scorers import FunctionScorer
 
 WRITERS = {"whatsup_a": standin.write_whatsup_a, "whatsup_b": standin.write_whatsup_b,
            "whatsup_coco_one": standin.write_whatsup_coco_one, "whatsup_coco_two": standin.write_whatsup_coco_two,

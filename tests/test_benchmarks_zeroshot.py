@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from datamodules.benchmarks.base import MissingBenchmarkData
-from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.standin.zeroshot import CLASS_NAMES, write_zeroshot
-from datamodules.benchmarks.zeroshot import ZeroShotClassification, class_ranks
-from lightning_modules.scorers import ClipScorer, FunctionScorer
+from evaluation.benchmarks.base import MissingBenchmarkData
+from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.standin.zeroshot import CLASS_NAMES, write_zeroshot
+from evaluation.benchmarks.zeroshot import ZeroShotClassification, class_ranks
+from evaluation.scorers import ClipScorer, FunctionScorer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -167,7 +167,7 @@ def test_malformed_json_gives_clear_errors(tmp_path):
 # --- a real (tiny, random) open_clip model ----------------------------------------------------------------
 
 def test_tiny_clip_aggregates_equal_a_naive_computation(tmp_path):
-    from lightning_modules.encoders import build_model
+    from core.encoders import build_model
 
     torch.manual_seed(0)
     built = build_model("ViT-Tiny-16-64", None, str(CONFIGS))

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from core.config import REPO_ROOT, load_config
 from datamodules.shapes import generate
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
 from lightning_modules.attribution import ATTRIBUTIONS, TextAttributionInputs, attribution_options, text_attribution
 from lightning_modules.clip_cae import VOCABULARY_KEY, ClipCAE
-from lightning_modules.config import REPO_ROOT, load_config
 from lightning_modules.fit import run
 from lightning_modules.losses import cae_attribution_loss
 from parsers.scene_graph import SceneGraphParser

@@ -20,10 +20,10 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
+from core.config import DataConfig
 from datamodules.annotations import read_annotation_file, read_negclip_tsv
 from datamodules.coco import CocoCaptions, CocoDataModule, UnreadableImageError, build_dataloader
 from datamodules.hard_negatives import NeighbourTable, build_neighbour_table, draw_positions
-from lightning_modules.config import DataConfig
 
 REAL_NEGCLIP_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
 EOT = 49407

@@ -6,9 +6,9 @@ from pathlib import Path
 import open_clip
 import pytest
 
+from core.config import REPO_ROOT, ConfigError, load_config
+from core.encoders import register_model_configs
 from lightning_modules import METHODS
-from lightning_modules.config import REPO_ROOT, ConfigError, load_config
-from lightning_modules.encoders import register_model_configs
 
 SHIPPED = sorted(p for p in (REPO_ROOT / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
 

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.encoders import build_model
+from core.export import export_model
 from datamodules.shapes import generate
 from lightning_modules.demo import COLUMNS, evaluate_export, markdown_table
-from lightning_modules.encoders import build_model
-from lightning_modules.export import export_model
 
 
 def test_evaluate_export_end_to_end(tmp_path, monkeypatch):

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from datamodules.benchmarks import BENCHMARKS, Benchmark, build_benchmark
-from datamodules.benchmarks.base import ImageRef, coco_id_from_name
-from datamodules.benchmarks.standin.valse import write_valse
-from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
-from datamodules.benchmarks.sugarcrepe import SUBSETS
-from lightning_modules import evaluate, leakage
-from lightning_modules.encoders import build_model
-from lightning_modules.evaluation import read_outcomes, reaggregate, run_benchmark
-from lightning_modules.export import export_model
-from lightning_modules.scorers import FunctionScorer
+from core.encoders import build_model
+from core.export import export_model
+from evaluation import evaluate, leakage
+from evaluation.benchmarks import BENCHMARKS, Benchmark, build_benchmark
+from evaluation.benchmarks.base import ImageRef, coco_id_from_name
+from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+from evaluation.benchmarks.standin.valse import write_valse
+from evaluation.benchmarks.sugarcrepe import SUBSETS
+from evaluation.harness import read_outcomes, reaggregate, run_benchmark
+from evaluation.scorers import FunctionScorer
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "sugarcrepe"
@@ -109,7 +109,7 @@ def test_the_real_sugarcrepe_files_through_the_cli_with_stand_in_images(tiny_run
         shutil.copy(SHARED / f"{subset}.json", root)
     names = {json.loads((root / f"{s}.json").read_text())[k]["filename"]
              for s in ("swap_obj",) for k in json.loads((root / f"{s}.json").read_text())}
-    from datamodules.benchmarks.standin.images import write_image
+    from evaluation.benchmarks.standin.images import write_image
     for i, name in enumerate(sorted(names)):
         write_image(root / "val2017" / name, seed=i, size=(24, 24))
     keep = root / "swap_obj.json"
@@ -124,7 +124,7 @@ def test_the_real_sugarcrepe_files_through_the_cli_with_stand_in_images(tiny_run
 
 
 def test_list_runs_as_a_module_and_names_every_benchmark():
-    result = subprocess.run([sys.executable, "-m", "lightning_modules.evaluate", "--list"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "evaluation.evaluate", "--list"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     for name in BENCHMARKS:
@@ -219,7 +219,7 @@ def test_valse_coreference_hard_images_are_not_coco(tmp_path):
 
 
 def test_evaluations_into_one_folder_accumulate_and_reaggregate_restores_the_tables(tiny_run, data_root, tmp_path):
-    from datamodules.benchmarks.standin.sts import write_sickr
+    from evaluation.benchmarks.standin.sts import write_sickr
 
     assert write_sickr(data_root / "sickr", n_items=12) == {}
     out = tmp_path / "eval"
@@ -250,7 +250,7 @@ def test_evaluations_into_one_folder_accumulate_and_reaggregate_restores_the_tab
 
 
 def test_a_combined_aggregate_never_mixes_two_runs(tmp_path):
-    from lightning_modules.evaluation import BenchmarkResult, markdown_tables, results_combined
+    from evaluation.harness import BenchmarkResult, markdown_tables, results_combined
 
     parts = [BenchmarkResult(name, [], {"accuracy": value, "pair_accuracy": value, "set_accuracy": value}, 0.0)
              for name, value in (("whatsup_a", 40.0), ("whatsup_b", 60.0))]

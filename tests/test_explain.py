@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision import transforms
 
-from datamodules.benchmarks.standin.images import write_image
+from core.encoders import CLIPEncoders, build_model
+from core.export import export_model, load_export
+from evaluation.benchmarks.standin.images import write_image
 from lightning_modules.attribution import (AttributionOptions, TextAttributionInputs, text_attribution,
                                            word_end_table)
-from lightning_modules.encoders import CLIPEncoders, build_model
 from lightning_modules.explain import display_image, main, token_pieces
-from lightning_modules.export import export_model, load_export
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "ViT-Tiny-16-64"

@@ -14,11 +14,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from core.config import REPO_ROOT, load_config
+from core.export import load_export
 from datamodules.shapes import generate
 from lightning_modules import METHODS
 from lightning_modules.base import NonFiniteLossError, total_loss
-from lightning_modules.config import REPO_ROOT, load_config
-from lightning_modules.export import load_export
 from lightning_modules.fit import build_datamodule, build_module, run
 from tolerance import scaled_close
 
@@ -302,7 +302,7 @@ class TrainingModeAtEveryStep(L.Callback):
 
 
 def test_benchmarks_are_scored_during_training_and_logged(shapes_root, tmp_path):
-    from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
+    from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
 
     write_sugarcrepe(tmp_path / "bench" / "sugarcrepe", n_items=14)
     modes = TrainingModeAtEveryStep()
@@ -317,7 +317,7 @@ def test_benchmarks_are_scored_during_training_and_logged(shapes_root, tmp_path)
 
 
 def test_a_missing_evaluation_benchmark_stops_before_training(shapes_root, tmp_path):
-    from datamodules.benchmarks import MissingBenchmarkData
+    from evaluation.benchmarks import MissingBenchmarkData
 
     with pytest.raises(MissingBenchmarkData, match="replace_obj.json"):
         run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=4", "evaluation.benchmarks=[sugarcrepe]",
@@ -525,8 +525,8 @@ class Started(Exception):
 def leaky(tmp_path, monkeypatch):
     """A COCO-format training set holding 3 images of the SugarCrepe stand-in scored during training; returns
     (config overrides, the 3 shared ids). Building the model raises `Started`."""
-    from datamodules.benchmarks import build_benchmark
-    from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
+    from evaluation.benchmarks import build_benchmark
+    from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
 
     write_sugarcrepe(tmp_path / "bench" / "sugarcrepe", n_items=14)
     shared = sorted(build_benchmark("sugarcrepe", tmp_path / "bench" / "sugarcrepe").coco_image_ids())[:3]
@@ -551,7 +551,7 @@ def leaky_config(overrides, *extra):
 
 
 def test_overlap_with_evaluation_benchmarks_refuses_to_start_naming_count_and_option(leaky, tmp_path):
-    from lightning_modules.leakage import TrainingOverlapError
+    from evaluation.leakage import TrainingOverlapError
 
     overrides, _ = leaky
     with pytest.raises(TrainingOverlapError, match=r"^3 training images \(data\.train_annotations=train\.json\) are "
@@ -572,7 +572,7 @@ def test_the_refusal_on_the_command_line(leaky, tmp_path):
 
 def test_allow_train_overlap_starts_and_logs_the_overlap(leaky, caplog):
     overrides, _ = leaky
-    with pytest.raises(Started), caplog.at_level("WARNING", logger="lightning_modules.leakage"):
+    with pytest.raises(Started), caplog.at_level("WARNING", logger="evaluation.leakage"):
         run(leaky_config(overrides, "evaluation.allow_train_overlap=true"))
     assert any("3 training images" in record.getMessage() for record in caplog.records)
 

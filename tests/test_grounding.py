@@ -539,7 +539,7 @@ def test_joint_settings_differ_only_in_the_prompt(grounder, bert_dir):
 
 def test_grounding_prompt_is_a_config_choice_that_reaches_the_grounder():
     from datamodules.preprocess import grounder_options
-    from lightning_modules.config import REPO_ROOT, ConfigError, load_config
+    from core.config import REPO_ROOT, ConfigError, load_config
 
     macco = REPO_ROOT / "configs" / "macco.yaml"
     assert load_config([macco]).preprocess.grounding_prompt == "per_phrase"  # the paper recipe

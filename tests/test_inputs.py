@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import datamodules.preprocess as preprocess
+from core.config import REPO_ROOT
 from datamodules import features
 from datamodules.inputs import InputError, check_data_inputs, check_feature_inputs, check_preprocess_inputs
-from lightning_modules.config import REPO_ROOT
 from parsers.grounding import GrounderInputError, NoGrounder, build_grounder
 from test_fit import shapes_root, tiny_config  # noqa: F401 (fixture)
 

@@ -17,9 +17,9 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
+from core.config import DataConfig
 from datamodules.annotations import SHAREGPT4V_VAL_RECORDS, read_annotation_file
 from datamodules.coco import CocoCaptions, CocoDataModule, random_sentence_prefix
-from lightning_modules.config import DataConfig
 
 SENTENCES = ["A kitchen with a stove", "A red kettle sits on it", "Two chairs stand by the table",
              "A cat sleeps under the table", "Rain falls outside the window."]

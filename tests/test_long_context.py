@@ -11,8 +11,8 @@ import torch
 from test_fit import shapes_root, tiny_config  # noqa: F401  (shapes_root is a fixture)
 from tolerance import scaled_close
 
-from lightning_modules.config import load_config
-from lightning_modules.encoders import build_model
+from core.config import load_config
+from core.encoders import build_model
 from lightning_modules.fit import build_datamodule, run
 from lightning_modules.long_context import stretch_factor, stretch_positional_embedding, stretched_model_name
 from lightning_modules.smartclip import SmartCLIP

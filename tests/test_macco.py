@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_fit import mask_cache, shapes_root, tiny_config  # noqa: F401 (pytest fixtures)
 
+from core.config import REPO_ROOT, load_config
+from core.encoders import TextFeatures
+from core.export import load_export
 from lightning_modules import METHODS
 from lightning_modules.base import total_loss
-from lightning_modules.config import REPO_ROOT, load_config
-from lightning_modules.encoders import TextFeatures
-from lightning_modules.export import load_export
 from lightning_modules.fit import run
 from lightning_modules.losses import (masked_contrastive_loss, masked_patch_loss, masked_token_loss,
                                       normalised_patch_targets, patchify)

@@ -10,10 +10,10 @@ import open_clip
 import pytest
 from PIL import Image
 
+from core.config import ConfigError, load_config
 from datamodules.coco import CocoCaptions, CocoDataModule
 from datamodules.masks import CaptionMasks, PatchGeometry, composition_words
 from datamodules.transforms import CropResize
-from lightning_modules.config import ConfigError, load_config
 
 TOKENIZER = open_clip.get_tokenizer("ViT-B-32")
 

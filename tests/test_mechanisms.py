@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
+from core.config import REPO_ROOT, load_config, save_config
 from datamodules.shapes import caption_from_dict, generate, load_scene_graphs
 from lightning_modules import METHODS
-from lightning_modules.config import REPO_ROOT, load_config, save_config
 from lightning_modules.fit import run
 from lightning_modules.mechanisms import (MECHANISMS, MechanismError, SplitFiles, jaccard, jaccard_matrix, load_run,
                                           macco_samples, measure, pair_means, relation_flip_captions,
@@ -105,7 +105,7 @@ def test_a_checkpoint_of_other_weights_than_the_export_is_refused(shapes_root, s
 # ----- the attribution gap --------------------------------------------------------------------------------
 def test_attribution_gaps_equal_the_demo_measurement(shapes_root, smartclip_run):
     from lightning_modules.demo import attribution_gap
-    from lightning_modules.scorers import ClipScorer
+    from evaluation.scorers import ClipScorer
 
     result = measure(smartclip_run, shapes_root, "val", limit=10, device="cpu")
     scorer = ClipScorer.from_export(smartclip_run / "export")

@@ -14,9 +14,9 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
+from core.config import REPO_ROOT, load_config
 from datamodules.shapes import SHAPES, generate
 from lightning_modules.attribution import attribution_options, group_means, text_attribution, TextAttributionInputs
-from lightning_modules.config import REPO_ROOT, load_config
 from lightning_modules.fit import build_datamodule, build_module, run
 from lightning_modules.monitor import AttributionMonitor, build_attribution_monitor, build_probe, eval_mode
 from parsers.scene_graph import SceneGraphParser

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from lightning_modules.encoders import build_model
-from lightning_modules.scorers import ClipScorer
+from core.encoders import build_model
+from evaluation.scorers import ClipScorer
 from lightning_modules.tflocal import is_feature_batch
 from perf import gpu, step
 from tolerance import assert_scaled_close

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import datamodules.preprocess as preprocess
+from core.config import load_config
+from core.encoders import register_model_configs
 from datamodules.annotations import CaptionRecord
 from datamodules.cache import CacheError, open_cache
 from datamodules.coco import CocoDataModule
 from datamodules.shapes import generate
-from lightning_modules.config import load_config
-from lightning_modules.encoders import register_model_configs
 from parsers.grounding import boxes_to_patch_mask, build_grounder
 from parsers.scene_graph import SceneGraphParser
 

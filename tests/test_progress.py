@@ -9,13 +9,13 @@ import pytest
 from PIL import Image
 
 import datamodules.preprocess as preprocess
-import lightning_modules.tflocal as tflocal
+import evaluation.aligner as aligner
+from core.config import REPO_ROOT
+from core.encoders import build_model
 from datamodules import features
-from datamodules.benchmarks.base import ImageRef
+from evaluation.aligner import AlignerScorer, TokenAligner
+from evaluation.benchmarks.base import ImageRef
 from lightning_modules import demo
-from lightning_modules.config import REPO_ROOT
-from lightning_modules.encoders import build_model
-from lightning_modules.tflocal import AlignerScorer, TokenAligner
 from test_fit import TINY, shapes_root, tiny_config  # noqa: F401 (fixture)
 
 # The tiny shapes world: 16 train images with 2 captions each, sorted by image. Shards of 5 captions hold
@@ -111,7 +111,7 @@ def image_refs(folder: Path, count: int) -> List[ImageRef]:
 @pytest.mark.parametrize("progress", [True, False])
 def test_aligner_scoring_honours_the_progress_flag(aligner_scorer, tmp_path, monkeypatch, progress):
     bars = Bars()
-    monkeypatch.setattr(tflocal, "tqdm", bars)
+    monkeypatch.setattr(aligner, "tqdm", bars)
     aligner_scorer.pair_scores.clear()
     images, texts = image_refs(tmp_path, 3), [f"a {colour} square {progress}" for colour in ("red", "blue")]
     aligner_scorer.prepare(images, texts, progress=progress)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from datamodules.benchmarks.base import ImageRef
-from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.standin.images import write_image
-from lightning_modules.scorers import ClipScorer, EmbeddingScorer, FunctionScorer, Scorer
+from evaluation.benchmarks.base import ImageRef
+from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.standin.images import write_image
+from evaluation.scorers import ClipScorer, EmbeddingScorer, FunctionScorer, Scorer
 
 
 class CountingScorer(EmbeddingScorer):
@@ -98,7 +98,7 @@ def test_clip_scorer_equals_open_clip_features(tmp_path):
 
 def test_openai_weights_are_scored_with_quickgelu(monkeypatch):
     """The QuickGELU trap: an OpenAI-derived name is built as -quickgelu (weights are not downloaded here)."""
-    from lightning_modules.encoders import canonical_model_name
+    from core.encoders import canonical_model_name
 
     assert canonical_model_name("ViT-B-32", "openai") == "ViT-B-32-quickgelu"
     import open_clip
@@ -165,12 +165,12 @@ def test_identical_candidates_are_ties_and_wrong_through_real_benchmarks(tmp_pat
     perturbation equal to the caption, scored by the real CLIP scorer: ties, so never correct (strict `>`)."""
     from dataclasses import replace
 
-    from datamodules.benchmarks.aro import COCOOrder
-    from datamodules.benchmarks.standin.aro import write_aro_coco_order
-    from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
-    from datamodules.benchmarks.standin.vlchecklist import write_vl_checklist
-    from datamodules.benchmarks.sugarcrepe import SugarCrepe
-    from datamodules.benchmarks.vlchecklist import VLCheckList
+    from evaluation.benchmarks.aro import COCOOrder
+    from evaluation.benchmarks.standin.aro import write_aro_coco_order
+    from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+    from evaluation.benchmarks.standin.vlchecklist import write_vl_checklist
+    from evaluation.benchmarks.sugarcrepe import SugarCrepe
+    from evaluation.benchmarks.vlchecklist import VLCheckList
 
     torch.manual_seed(0)
     scorer = ClipScorer.from_pretrained("ViT-Tiny-16-64", None)

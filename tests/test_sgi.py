@@ -16,17 +16,17 @@ import torch.nn.functional as F
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image, ImageDraw
 
-from datamodules.benchmarks import build_benchmark
-from datamodules.benchmarks.base import ImageRef, unique
-from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.standin.images import write_image
-from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
-from lightning_modules import evaluate, sgi
-from lightning_modules.encoders import BuiltModel, build_model
-from lightning_modules.evaluation import read_outcomes, run_benchmark
-from lightning_modules.export import export_model
-from lightning_modules.scorers import ClipScorer
-from lightning_modules.sgi import SGIScorer, Tiling, caption_segments, crop_boxes, crops_per_image, parse_grids
+from core.encoders import BuiltModel, build_model
+from core.export import export_model
+from evaluation import evaluate, sgi
+from evaluation.benchmarks import build_benchmark
+from evaluation.benchmarks.base import ImageRef, unique
+from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.standin.images import write_image
+from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+from evaluation.harness import read_outcomes, run_benchmark
+from evaluation.scorers import ClipScorer
+from evaluation.sgi import SGIScorer, Tiling, caption_segments, crop_boxes, crops_per_image, parse_grids
 from parsers.scene_graph import SceneGraphParser
 
 TINY = "ViT-Tiny-16-64"

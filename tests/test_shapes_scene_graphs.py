@@ -17,10 +17,10 @@ from typing import Dict, List, Set, Tuple
 import pytest
 
 import datamodules.preprocess as preprocess
+from core.config import load_config
 from datamodules.cache import open_cache
 from datamodules.shapes import (TEMPLATES, Caption, caption_from_dict, generate, load_scene_graphs, render_caption,
                                 scene_from_dict, witness)
-from lightning_modules.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 N_IMAGES = 150   # 300 captions: every template about 25 times (3 of the 12 are single-object, 15% of captions)

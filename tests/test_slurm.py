@@ -17,9 +17,10 @@ import pytest
 import yaml
 
 from datamodules.shapes import generate
-from slurm.localcluster import LocalSlurm
+from lightning_modules.runs import RUN_LOG, export_complete
 from slurm import sweep as sweep_module
-from slurm.sweep import RUN_LOG, expand, export_complete, load_sweep, local_threads, main as sweep_main, run_local, SweepError
+from slurm.localcluster import LocalSlurm
+from slurm.sweep import expand, load_sweep, local_threads, main as sweep_main, run_local, SweepError
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 150

@@ -18,9 +18,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_fit import a_batch, shapes_root, tiny_config  # noqa: F401  (shapes_root is a fixture)
 
 import lightning_modules
+from core.config import REPO_ROOT, load_config
+from core.export import load_export
 from lightning_modules.base import total_loss
-from lightning_modules.config import REPO_ROOT, load_config
-from lightning_modules.export import load_export
 from lightning_modules.fit import run
 from lightning_modules.modular_losses import (ModularContrastiveLoss, mask_sparsity, masked_logits,
                                               straight_through_mask)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tolerance import assert_scaled_close
 
+from core.config import REPO_ROOT, load_config
 from lightning_modules.base import total_loss
-from lightning_modules.config import REPO_ROOT, load_config
 from lightning_modules.modular_losses import ModularContrastiveLoss, straight_through_mask
 from lightning_modules.smartclip import MaskNetwork, mask_network_heads, mask_network_positions, modular_terms
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.benchmarks.two_by_two import ShapesSwap
+from evaluation.benchmarks.two_by_two import ShapesSwap
 from lightning_modules import study as study_module
 from lightning_modules.study import (CACHE_FILE, FROZEN_DIR, Evaluations, StudyError, StudySettings,
                                      cached_scores, evaluate_study, export_fingerprint, item_values, load_study,
@@ -413,8 +413,8 @@ def tiny_world(root: Path) -> Path:
 
 
 def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsys):
-    from lightning_modules.encoders import build_model
-    from lightning_modules.export import export_model
+    from core.encoders import build_model
+    from core.export import export_model
 
     data = tiny_world(tmp_path / "world")
     sweep = tmp_path / "sweep"

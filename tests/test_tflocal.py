@@ -15,21 +15,21 @@ from tolerance import assert_scaled_close
 
 import lightning_modules
 import lightning_modules.fit as fit
+from core.encoders import build_model
 from datamodules import features
 from datamodules.annotations import read_annotation_file
-from datamodules.benchmarks import build_benchmark
-from datamodules.benchmarks.base import ImageRef
-from datamodules.benchmarks.images import load_image
-from datamodules.benchmarks.retrieval import retrieval_ranks
-from datamodules.benchmarks.standin.retrieval import write_coco_retrieval
-from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe
 from datamodules.cache import CacheError
 from datamodules.coco import CocoCaptions
+from evaluation.aligner import IMAGE, RERANK_SHIFT, TEXT, AlignerScorer, TokenAligner, squash
+from evaluation.benchmarks import build_benchmark
+from evaluation.benchmarks.base import ImageRef
+from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.retrieval import retrieval_ranks
+from evaluation.benchmarks.standin.retrieval import write_coco_retrieval
+from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+from evaluation.harness import run_benchmark
 from lightning_modules.base import total_loss
-from lightning_modules.encoders import build_model
-from lightning_modules.evaluation import run_benchmark
-from lightning_modules.tflocal import (IMAGE, RERANK_SHIFT, TEXT, AlignerScorer, TFGlobal, TFLocal, TokenAligner,
-                                       aligner_infonce, aligner_inputs, aligner_itm, is_feature_batch, squash)
+from lightning_modules.tflocal import TFGlobal, TFLocal, aligner_infonce, aligner_inputs, aligner_itm, is_feature_batch
 
 NEGATIVES = 3
 SMALL_ALIGNER = ["method.aligner_width=32", "method.aligner_layers=1", "method.aligner_heads=2"]

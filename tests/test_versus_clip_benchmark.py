@@ -9,9 +9,9 @@ import sys
 import pytest
 from PIL import Image
 
-from datamodules.benchmarks import build_benchmark
-from datamodules.benchmarks.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
-from datamodules.benchmarks.sugarcrepe import SUBSETS
+from evaluation.benchmarks import build_benchmark
+from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
+from evaluation.benchmarks.sugarcrepe import SUBSETS
 from perf import evaluate
 
 HAS_CLIP_BENCHMARK = importlib.util.find_spec("clip_benchmark") is not None

@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from datamodules.files import atomic_write_bytes
+from core.files import atomic_write_bytes
 from datamodules.shapes.heldout import (HeldOut, SplitRule, choose_heldout, heldout_from_dict, heldout_to_dict,
                                         split_rule)
 from datamodules.shapes.records import caption_to_dict, scene_to_dict

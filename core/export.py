@@ -1,0 +1,66 @@
+"""The exported model: `export/open_clip.pt` (CLIP weights only) and `export/model.json`.
+
+`open_clip.create_model_and_transforms(model_json["model"], pretrained=".../open_clip.pt")` rebuilds the
+fine-tuned model unchanged. Tiny models that open_clip does not ship have their config copied to
+`export/model_configs/`, so `load_export` can register it first.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Optional
+
+import open_clip
+import torch
+from torch import nn
+
+from core.encoders import MODEL_CONFIGS_DIR, BuiltModel, build_model
+from core.files import atomic_write_bytes, atomic_write_text
+
+WEIGHTS_FILE = "open_clip.pt"
+METADATA_FILE = "model.json"
+
+
+def export_model(model: nn.Module, model_name: str, export_dir: Path, extra: Optional[dict] = None,
+                 model_config: Optional[dict] = None) -> Path:
+    """Write the CLIP state dict (fp32) and its metadata atomically; return the weights path.
+
+    `model_config` is the open_clip config the model was built with (default: the registered config of
+    `model_name`); a stretched text context (`lightning_modules.long_context`) exports its own, under its own
+    name, so that plain open_clip builds the model and its tokenizer with the longer context.
+    """
+    export_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+             for k, v in model.state_dict().items()}
+    weights = export_dir / WEIGHTS_FILE
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_bytes(weights, buffer.getvalue())
+    _write_model_config(model_name, export_dir, model_config)
+    metadata = {"model": model_name, "weights": WEIGHTS_FILE, **(extra or {})}
+    atomic_write_text(export_dir / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True))
+    return weights
+
+
+def _write_model_config(model_name: str, export_dir: Path, config: Optional[dict] = None) -> None:
+    config_dir = export_dir / MODEL_CONFIGS_DIR
+    config_dir.mkdir(exist_ok=True)
+    config = config if config is not None else open_clip.get_model_config(model_name)
+    atomic_write_text(config_dir / f"{model_name}.json", json.dumps(config, indent=2, sort_keys=True))
+
+
+def read_export_metadata(export_dir: Path) -> dict:
+    path = Path(export_dir) / METADATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {METADATA_FILE} in {export_dir}: not a model export (fit writes "
+                                f"runs/<experiment>/export/ when training ends)")
+    return json.loads(path.read_text())
+
+
+def load_export(export_dir: Path) -> BuiltModel:
+    """Rebuild an exported model (weights, transforms, tokenizer) with plain open_clip."""
+    export_dir = Path(export_dir)
+    metadata = read_export_metadata(export_dir)
+    return build_model(metadata["model"], str(export_dir / metadata["weights"]),
+                       str(export_dir / MODEL_CONFIGS_DIR))

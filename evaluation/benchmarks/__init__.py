@@ -1,0 +1,42 @@
+"""Evaluation benchmarks by name (`BENCHMARKS`); each reads its official file format from a local root.
+
+The order here is the order of `--all` and of the results tables: compositional benchmarks first, then
+retrieval, zero-shot classification and the text-only STS probes. `COMBINED` holds the aggregates a paper
+reports over several of them (What'sUp's Table 1 averages), computed when all their parts are in a run.
+"""
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from evaluation.benchmarks.aro import COCOOrder, Flickr30kOrder, VGAttribution, VGRelation
+from evaluation.benchmarks.base import Benchmark, ImageRef, Item, ItemBenchmark, MissingBenchmarkData
+from evaluation.benchmarks.combined import CombinedAggregate
+from evaluation.benchmarks.retrieval import CocoRetrieval, Flickr30kRetrieval
+from evaluation.benchmarks.sts import STSB, SickR
+from evaluation.benchmarks.sugarcrepe import SugarCrepe
+from evaluation.benchmarks.two_by_two import BiSCoRCtrl, BiVLC, ShapesSwap, Winoground
+from evaluation.benchmarks.valse import Valse
+from evaluation.benchmarks.vlchecklist import VLCheckList
+from evaluation.benchmarks.whatsup import (WHATSUP_COMBINED, WhatsUpA, WhatsUpB, WhatsUpCocoOne, WhatsUpCocoTwo,
+                                            WhatsUpGqaOne, WhatsUpGqaTwo)
+from evaluation.benchmarks.zeroshot import ZeroShotClassification
+
+BENCHMARKS: Dict[str, Type[Benchmark]] = {cls.name: cls for cls in (
+    SugarCrepe, VGRelation, VGAttribution, COCOOrder, Flickr30kOrder, Valse, VLCheckList,
+    WhatsUpA, WhatsUpB, WhatsUpCocoOne, WhatsUpCocoTwo, WhatsUpGqaOne, WhatsUpGqaTwo,
+    Winoground, BiVLC, BiSCoRCtrl, ShapesSwap,
+    CocoRetrieval, Flickr30kRetrieval, ZeroShotClassification, SickR, STSB)}
+
+# Numbers a paper reports over several of the benchmarks above, in results-table order (`combined.py`).
+COMBINED: Dict[str, CombinedAggregate] = {combined.name: combined for combined in WHATSUP_COMBINED}
+
+
+def build_benchmark(name: str, root, **options) -> Benchmark:
+    """The benchmark registered as `name`; an unknown name lists the valid ones."""
+    if name not in BENCHMARKS:
+        raise KeyError(f"unknown benchmark {name!r}; registered: {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name](root, **options)
+
+
+__all__ = ["BENCHMARKS", "COMBINED", "Benchmark", "CombinedAggregate", "ImageRef", "Item", "ItemBenchmark",
+           "MissingBenchmarkData", "build_benchmark"]

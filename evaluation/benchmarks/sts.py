@@ -1,0 +1,192 @@
+"""SICK-R and STS-B: Spearman correlation of the text tower's cosine with human similarity (text-only probes).
+
+The unsupervised protocol (MTEB's main score "cos_sim spearman"; not SentEval's trained SICK-R regressor):
+embed both sentences of a pair, take their cosine (`scorer.text_similarity`), and report 100 x Spearman's rho
+(average ranks for ties) against the gold scores over all pairs, with Pearson's r and the pair count.
+
+SICK-R (`sickr`), the first found under `root`:
+- `SICK.txt`, the full release (Zenodo 2787612): tab-separated with a header including `pair_ID`,
+  `sentence_A`, `sentence_B`, `relatedness_score` (1-5) and `SemEval_set` (TRAIN / TRIAL / TEST); 9,840
+  pairs (4,439 / 495 / 4,906).
+- The SemEval-2014 files SentEval reads: `SICK_train.txt`, `SICK_trial.txt`, `SICK_test_annotated.txt`, with
+  header `pair_ID, sentence_A, sentence_B, relatedness_score, entailment_judgment`; 4,500 / 500 / 4,927 pairs,
+  9,927 in all: MTEB's `mteb/sickr-sts` test set.
+Option `split`: "all" (default; every pair, the unsupervised convention) or "train" / "trial" / "test".
+
+STS-B (`stsb`), the original test split (1,379 pairs; the GLUE test split hides its labels), the first found:
+- `sts-<split>.csv` from `Stsbenchmark.tar.gz`: tab-separated, no header, columns genre, filename, year, id,
+  score (0-5), sentence1, sentence2 (some lines carry extra source columns); read without quote handling,
+  as the file is not quoted but its sentences contain `"`.
+- `stsb_<split>.tsv` / `stsb_<split>.csv`: a header naming `sentence1`, `sentence2`, `score` (the
+  sentence-transformers (0-1) and MTEB (0-5) shapes; the scale does not change the correlations), tab- or
+  comma-separated (read from the header line), with standard CSV quoting.
+Option `split` (default "test") names the file.
+
+CLIP's tokenizer truncates at 77 tokens (the scorer's tokenizer does); a handful of long STS-B sentences
+are cut. How many is not counted here, as the benchmark has no tokenizer.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import csv
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from evaluation.benchmarks.base import Benchmark, MissingBenchmarkData, Outcome, Scorer, unique
+
+SICK_FULL = "SICK.txt"
+SICK_SEMEVAL = {"train": "SICK_train.txt", "trial": "SICK_trial.txt", "test": "SICK_test_annotated.txt"}
+
+
+@dataclass(frozen=True)
+class SentencePair:
+    id: str
+    first: str
+    second: str
+    gold: float
+
+
+class _SentencePairs(Benchmark):
+    """A sentence-pair similarity benchmark scored by Spearman's rho of cosine vs gold."""
+
+    headline = ("spearman",)
+
+    @cached_property
+    def pairs(self) -> list[SentencePair]:
+        """Every pair of the chosen split, read from the official file(s)."""
+        return self.read_pairs()
+
+    @abstractmethod
+    def read_pairs(self) -> list[SentencePair]:
+        """The pairs of the chosen split, from the benchmark's own file format."""
+
+    def outcomes(self, scorer: Scorer, progress: bool = False) -> list[Outcome]:
+        pairs = self.pairs
+        scorer.prepare([], unique(s for pair in pairs for s in (pair.first, pair.second)), progress=progress)
+        cosines = np.asarray(scorer.text_similarity([p.first for p in pairs], [p.second for p in pairs]))
+        return [{"id": pair.id, "cosine": float(cosine), "gold": pair.gold} for pair, cosine in zip(pairs, cosines)]
+
+    @staticmethod
+    def aggregate(outcomes: Sequence[Outcome]) -> dict[str, float]:
+        """100 x Spearman's rho and Pearson's r of cosine vs gold, and the number of pairs."""
+        cosine = np.array([o["cosine"] for o in outcomes], dtype=np.float64)
+        gold = np.array([o["gold"] for o in outcomes], dtype=np.float64)
+        return {"spearman": 100.0 * spearman(cosine, gold), "pearson": 100.0 * pearson(cosine, gold),
+                "pairs": len(outcomes)}
+
+
+class SickR(_SentencePairs):
+    """Args: root (`SICK.txt`, or the three SemEval-2014 files), split ("all", "train", "trial", "test")."""
+
+    name = "sickr"
+    description = "SICK-R: Spearman x 100 of text cosine vs relatedness (unsupervised)"
+
+    def __init__(self, root: str | Path, split: str = "all"):
+        if split not in ("all", *SICK_SEMEVAL):
+            raise ValueError(f"split must be 'all' or one of {sorted(SICK_SEMEVAL)}, got {split!r}")
+        self.split = split
+        super().__init__(root)
+
+    def required_files(self) -> list[str]:
+        return [f"{SICK_FULL} | {SICK_SEMEVAL['test']}"]
+
+    def read_pairs(self) -> list[SentencePair]:
+        if (self.root / SICK_FULL).exists():
+            rows = _read_sick(self.root / SICK_FULL)
+            return [pair for pair, semeval_set in rows if self.split in ("all", semeval_set.lower())]
+        splits = list(SICK_SEMEVAL) if self.split == "all" else [self.split]
+        missing = [SICK_SEMEVAL[s] for s in splits if not (self.root / SICK_SEMEVAL[s]).exists()]
+        if missing:
+            raise MissingBenchmarkData(f"{self.name}: {self.root} lacks {', '.join(missing)} (split {self.split!r})")
+        return [pair for s in splits for pair, _ in _read_sick(self.root / SICK_SEMEVAL[s])]
+
+
+class STSB(_SentencePairs):
+    """Args: root (`sts-test.csv`, or a headered `stsb_test.tsv` / `stsb_test.csv`), split (default "test")."""
+
+    name = "stsb"
+    description = "STS-B (original test split): Spearman x 100 of text cosine vs gold similarity"
+
+    def __init__(self, root: str | Path, split: str = "test"):
+        self.split = split
+        super().__init__(root)
+
+    def candidates(self) -> list[str]:
+        return [f"sts-{self.split}.csv", f"stsb_{self.split}.tsv", f"stsb_{self.split}.csv"]
+
+    def required_files(self) -> list[str]:
+        return [" | ".join(self.candidates())]
+
+    def read_pairs(self) -> list[SentencePair]:
+        original, *headered = [self.root / name for name in self.candidates()]
+        if original.exists():
+            return _read_sts_original(original)
+        return _read_sts_headered(next(path for path in headered if path.exists()))
+
+
+def _read_sick(path: Path) -> list[tuple[SentencePair, str]]:
+    """(pair, SemEval_set or "") per row of a SICK file with a header, columns found by name."""
+    with open(path, newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+        _require_columns(reader.fieldnames, ("pair_ID", "sentence_A", "sentence_B", "relatedness_score"), path)
+        return [(SentencePair(row["pair_ID"], row["sentence_A"], row["sentence_B"],
+                              _score(row["relatedness_score"], path, f"pair_ID {row['pair_ID']}")),
+                 row.get("SemEval_set") or "") for row in reader]
+
+
+def _read_sts_original(path: Path) -> list[SentencePair]:
+    """The original STS-B `sts-*.csv`: no header; score, sentence1, sentence2 are columns 5-7 (1-based)."""
+    pairs = []
+    with open(path, newline="", encoding="utf-8") as handle:
+        for line, row in enumerate(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
+            if len(row) < 7:
+                raise ValueError(f"{path}: line {line} has {len(row)} tab-separated columns, expected at least 7")
+            pairs.append(SentencePair(str(line - 1), row[5], row[6], _score(row[4], path, f"line {line}")))
+    return pairs
+
+
+def _read_sts_headered(path: Path) -> list[SentencePair]:
+    """A headered STS-B file (sentence-transformers / MTEB export), tab- or comma-separated."""
+    with open(path, newline="", encoding="utf-8") as handle:
+        delimiter = "\t" if "\t" in handle.readline() else ","
+        handle.seek(0)
+        reader = csv.DictReader(handle, delimiter=delimiter)
+        _require_columns(reader.fieldnames, ("sentence1", "sentence2", "score"), path)
+        return [SentencePair(str(n), row["sentence1"], row["sentence2"], _score(row["score"], path, f"row {n}"))
+                for n, row in enumerate(reader)]
+
+
+def _require_columns(header: Sequence[str] | None, columns: Sequence[str], path: Path) -> None:
+    missing = [column for column in columns if column not in (header or [])]
+    if missing:
+        raise ValueError(f"{path}: header lacks columns {missing} (found {list(header or [])})")
+
+
+def _score(text: str | None, path: Path, where: str) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: {where} has a gold score that is not a number: {text!r}") from None
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's rho, ties given their average rank (torchmetrics' `spearman_corrcoef`); NaN for < 2 pairs.
+
+    torchmetrics adds 1e-6 to the denominator, so a perfect ranking of n pairs gives 1 - O(1e-6 / n^2).
+    """
+    if len(x) < 2:
+        return float("nan")
+    import torch  # only the STS benchmarks need it here
+    from torchmetrics.functional import spearman_corrcoef
+
+    return float(spearman_corrcoef(torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y, dtype=torch.float64)))
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    """Pearson's r; NaN for < 2 pairs."""
+    return float(np.corrcoef(x, y)[0, 1]) if len(x) >= 2 else float("nan")

@@ -1,0 +1,164 @@
+"""VALSE (Parcalabescu et al., ACL 2022): 11 foiling pieces over 7 linguistic phenomena.
+
+Official files (`Heidelberg-NLP/VALSE`, `data/`): `<root>/<piece>.json`, each a JSON object keyed by example id
+(`"existence_visual7w_2371044"`, `"relations:coco_2017:212732"`, `"actions_test_0"`, ...; the two action pieces
+reuse the same keys, so item ids are `<piece>/<key>`). Each record holds `dataset`, `image_file`, `caption`,
+`foil` and `mturk{caption, foil, other}` (3 annotators) plus piece-specific fields that are not read here.
+
+Only valid records count: `mturk["caption"] >= 2` (the VALSE README; the official scripts skip the others).
+The invalid ones are dropped, as the protocol says, and counted per piece in the aggregates.
+
+Images come from the origin datasets, named by the record's `dataset` value, which is not uniform:
+`visual7w` (existence, counting), `coco2017` (plurals) and `coco_2017` (relations, both COCO val2017 file
+names), `SWiG` (the action pieces, `images_512`), `VisDial_v1.0` (coreference; the standard piece names COCO
+train2014 *and* val2014 files, the hard piece `VisualDialog_val2018_*` files) and `"FOIL dataset"` (foil-it,
+COCO val2014). Option `images` maps a dataset value to a folder, or to a list of folders searched in order
+(the VisDial value needs one folder holding both kinds of files, or a list of them).
+
+Scoring is the pairwise `acc_r` of the paper for contrastive models: an item is correct iff
+s(image, caption) > s(image, foil), strictly (a tie is wrong; CE-CLIP's script thresholds a softmax at
+0.5, which also makes a tie wrong). Three averages circulate and all are reported: `macro_pieces`, the mean
+over the pieces (CE-CLIP Table 1, 65.3 for CLIP ViT-B/32); `macro_phenomena`, the mean over the 7
+phenomena, each the mean of its pieces (vl_compo, 67.53); and `micro`, over all valid items.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent
+
+PHENOMENA: dict[str, tuple] = {
+    "existence": ("existence",),
+    "plurality": ("plurals",),
+    "counting": ("counting-hard", "counting-small-quant", "counting-adversarial"),
+    "relations": ("relations",),
+    "actions": ("action-replacement", "actant-swap"),
+    "coreference": ("coreference-standard", "coreference-hard"),
+    "foil-it": ("foil-it",),
+}
+PIECES = tuple(piece for pieces in PHENOMENA.values() for piece in pieces)
+# The `dataset` values of the official files (read from each piece), for the default image folders.
+DATASETS = ("visual7w", "coco2017", "coco_2017", "SWiG", "VisDial_v1.0", "FOIL dataset")
+VALID_VOTES = 2  # "at least two out of three annotators identified the caption, but not the foil"
+
+Folders = str | Path | Sequence[str | Path]
+
+
+class Valse(ItemBenchmark):
+    """VALSE pairwise accuracy over the valid items.
+
+    Args:
+        root: folder holding the official `<piece>.json` files.
+        images: `{dataset value: folder or [folders]}`; entries override the default
+            `<root>/images/<dataset value>` for each of the six official values. With a list, an image is
+            taken from the first folder that holds it (else the first folder, so the missing-image check
+            names it).
+        pieces: the pieces to read (file stems; default all 11). Averages then cover only these pieces.
+    """
+
+    name = "valse"
+    headline = ("macro_pieces", "macro_phenomena", "micro")
+    description = "VALSE: pairwise accuracy acc_r (caption > foil) on the valid items, per piece and averaged (%)"
+
+    def __init__(self, root: str | Path, images: Mapping[str, Folders] | None = None,
+                 pieces: Sequence[str] | None = None):
+        self.pieces = _checked_pieces(pieces)
+        super().__init__(root)
+        self.images = {value: _folder_list(self.root / "images" / value) for value in DATASETS}
+        self.images.update({value: _folder_list(folders) for value, folders in (images or {}).items()})
+
+    def required_files(self) -> list[str]:
+        return [f"{piece}.json" for piece in self.pieces]
+
+    def items(self) -> list[Item]:
+        return self._items
+
+    @cached_property
+    def _items(self) -> list[Item]:
+        return [item for piece in self.pieces for item in self._piece_items(piece)]
+
+    def _piece_items(self, piece: str) -> list[Item]:
+        path = self.root / f"{piece}.json"
+        records = json.loads(path.read_text())
+        if not isinstance(records, dict):
+            raise ValueError(  # noqa: TRY004 -- a malformed file is a ValueError everywhere in the benchmarks
+                f"{path}: expected a JSON object keyed by example id, got {type(records).__name__}")
+        valid = {key: record for key, record in records.items() if _caption_votes(path, key, record) >= VALID_VOTES}
+        invalid = len(records) - len(valid)
+        return [Item(id=f"{piece}/{key}", images=[self._image(path, key, record)],
+                     texts=[_text(path, key, record, "caption"), _text(path, key, record, "foil")],
+                     meta={"piece": piece, "invalid_in_piece": invalid})
+                for key, record in valid.items()]
+
+    def _image(self, path: Path, key: str, record: dict) -> ImageRef:
+        dataset, image_file = _text(path, key, record, "dataset"), _text(path, key, record, "image_file")
+        if dataset not in self.images:
+            raise ValueError(f"{path}: record {key!r} has dataset {dataset!r}, which the `images` option does not "
+                             f"map to a folder (mapped: {', '.join(sorted(self.images))}); "
+                             f"pass images={{{dataset!r}: FOLDER}}")
+        folders = self.images[dataset]
+        if len(folders) > 1:  # only a list of folders needs a look at the disk
+            folders = [folder for folder in folders if (folder / image_file).is_file()] or folders
+        return ImageRef(str(folders[0] / image_file))
+
+    def outcome(self, item: Item, similarity: np.ndarray) -> Outcome:
+        caption, foil = float(similarity[0, 0]), float(similarity[0, 1])
+        return {"id": item.id, "piece": item.meta["piece"], "correct": caption > foil, "tie": caption == foil,
+                "invalid_in_piece": item.meta["invalid_in_piece"]}
+
+    @staticmethod
+    def aggregate(outcomes: Sequence[Outcome]) -> dict[str, float]:
+        """Per piece, per phenomenon (`phenomenon/<name>`), the three averages, and item counts.
+
+        Pieces and phenomena without outcomes (the `pieces` option) are left out of the averages.
+        """
+        by_piece = {p: [o for o in outcomes if o["piece"] == p] for p in PIECES}
+        by_piece = {p: rows for p, rows in by_piece.items() if rows}
+        result = {piece: percent([o["correct"] for o in rows]) for piece, rows in by_piece.items()}
+        for phenomenon, pieces in PHENOMENA.items():
+            present = [result[p] for p in pieces if p in result]
+            if present:
+                result[f"phenomenon/{phenomenon}"] = float(np.mean(present))
+        result["macro_pieces"] = float(np.mean([result[p] for p in by_piece])) if by_piece else float("nan")
+        phenomena = [v for k, v in result.items() if k.startswith("phenomenon/")]
+        result["macro_phenomena"] = float(np.mean(phenomena)) if phenomena else float("nan")
+        result["micro"] = percent([o["correct"] for o in outcomes])
+        result["valid_items"] = len(outcomes)
+        result["ties"] = sum(bool(o["tie"]) for o in outcomes)
+        invalid = {piece: int(rows[0]["invalid_in_piece"]) for piece, rows in by_piece.items()}
+        result["invalid_items"] = sum(invalid.values())
+        result.update({f"invalid_items/{piece}": count for piece, count in invalid.items()})
+        return result
+
+
+def _checked_pieces(pieces: Sequence[str] | None) -> tuple:
+    if pieces is None:
+        return PIECES
+    unknown = [piece for piece in pieces if piece not in PIECES]
+    if unknown or not pieces:
+        raise ValueError(f"valse: unknown pieces {unknown or '(none given)'}; valid: {', '.join(PIECES)}")
+    return tuple(piece for piece in PIECES if piece in pieces)  # official order, no duplicates
+
+
+def _folder_list(folders: Folders) -> list[Path]:
+    return [Path(folders)] if isinstance(folders, (str, Path)) else [Path(folder) for folder in folders]
+
+
+def _caption_votes(path: Path, key: str, record: object) -> int:
+    mturk = record.get("mturk") if isinstance(record, dict) else None
+    votes = mturk.get("caption") if isinstance(mturk, dict) else None
+    if not isinstance(votes, int) or isinstance(votes, bool):
+        raise ValueError(f"{path}: record {key!r} lacks an integer mturk.caption vote count")  # noqa: TRY004
+    return votes
+
+
+def _text(path: Path, key: str, record: dict, field: str) -> str:
+    value = record.get(field)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{path}: record {key!r} lacks a non-empty string field {field!r}")
+    return value

@@ -1,0 +1,186 @@
+"""Zero-shot classification of a folder-per-class image tree with clip_benchmark's class names and prompts.
+
+Files under `root` (copied from `LAION-AI/CLIP_benchmark`, `clip_benchmark/datasets/`, MIT):
+- `en_classnames.json`: `{"<dataset>": ["<class name>", ...]}`, in label order;
+- `en_zeroshot_classification_templates.json`: `{"<dataset>": ["a photo of a {c}.", ...]}`, where `{c}` is
+  the class name. As in clip_benchmark, a dataset without its own templates uses the "imagenet1k" ones
+  (the 80 OpenAI prompts), and a dataset's entry may instead map each class name to its own full prompts.
+Option `dataset` picks the key (default "imagenet1k").
+
+Images: `<images>/<class folder>/**/<image>` (torchvision `ImageFolder`'s layout and extensions; default
+`<root>/images`, e.g. ImageNet's `val/` with synset folders). Folders sorted by name take label 0, 1, ...,
+and the i-th folder gets the i-th class name (the order of clip_benchmark's `imagenet1k-unverified`); option
+`classes` lists the folders in label order instead. Folders and class names must be equally many.
+
+Scoring follows clip_benchmark: each class is the renormalised mean of its L2-normalised prompt embeddings
+(`scorer.score_groups`); an image's rank is the number of other classes scoring at least as high as its own
+(strict: a tie counts against). clip_benchmark takes `argmax` / `topk`, which break ties by index, and
+reports fractions; we report percent, and `tied` counts the images with a tie. Ties are not only
+theoretical: clip_benchmark's "imagenet1k" names hold "missile" and "sunglasses" twice each, so those class
+pairs get identical prompts and scores; strictly, none of their 200 validation images is top-1 correct,
+where argmax credits the lower index of each pair (at most 0.2 points of ImageNet top-1; a warning names
+the repeated names).
+
+Aggregates: `top1`, `top5` (NaN with fewer than 5 classes, as clip_benchmark), `mean_per_class_recall`
+(top-1 recall per class present, averaged: scikit-learn's balanced accuracy, as clip_benchmark), `images`,
+`tied`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from evaluation.benchmarks.base import Benchmark, ImageRef, MissingBenchmarkData, Outcome, percent, Scorer, unique
+
+log = logging.getLogger(__name__)
+
+CLASSNAMES_FILE = "en_classnames.json"
+TEMPLATES_FILE = "en_zeroshot_classification_templates.json"
+DEFAULT_TEMPLATES = "imagenet1k"
+# torchvision.datasets.folder.IMG_EXTENSIONS
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class ZeroShotClassification(Benchmark):
+    """Args: root (the two clip_benchmark JSON files), images (class-folder tree; default `<root>/images`),
+    dataset (key in both files; default "imagenet1k"), classes (class folders in label order; default sorted),
+    chunk_size (images per `scorer.score_groups` call)."""
+
+    name = "zeroshot"
+    headline = ("top1", "top5", "mean_per_class_recall")
+    description = "Zero-shot classification with clip_benchmark prompts: top-1 / top-5 / mean per-class recall (%)"
+
+    def __init__(self, root: str | Path, images: str | Path | None = None, dataset: str = DEFAULT_TEMPLATES,
+                 classes: Sequence[str] | None = None, chunk_size: int = 1024):
+        super().__init__(root)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.images = Path(images) if images is not None else self.root / "images"
+        self.dataset, self.chunk_size = dataset, chunk_size
+        if isinstance(classes, str):
+            raise TypeError("option classes is a list of class folder names, not a string")
+        self.classes = list(classes) if classes is not None else None
+
+    def required_files(self) -> list[str]:
+        return [CLASSNAMES_FILE, TEMPLATES_FILE]
+
+    @cached_property
+    def class_names(self) -> list[str]:
+        """Class names in label order."""
+        names = _load_json(self.root / CLASSNAMES_FILE)
+        if self.dataset not in names:
+            raise ValueError(f"{self.root / CLASSNAMES_FILE} has no dataset {self.dataset!r}; it has "
+                             f"{', '.join(sorted(names))}")
+        return list(names[self.dataset])
+
+    @cached_property
+    def prompts(self) -> list[list[str]]:
+        """Per class (label order), its filled-in prompts."""
+        path = self.root / TEMPLATES_FILE
+        templates = _load_json(path)
+        chosen = templates.get(self.dataset, templates.get(DEFAULT_TEMPLATES))
+        if chosen is None:
+            raise ValueError(f"{path} has neither {self.dataset!r} nor {DEFAULT_TEMPLATES!r} templates")
+        _warn_duplicates(self.class_names, self.dataset)
+        if isinstance(chosen, dict):  # class-specific prompts, used as they are
+            missing = [name for name in self.class_names if name not in chosen]
+            if missing:
+                raise ValueError(f"{path}: {self.dataset!r} lacks prompts for classes {missing[:5]}")
+            return [list(chosen[name]) for name in self.class_names]
+        bad = [template for template in chosen if "{c}" not in template]
+        if bad or not chosen:
+            raise ValueError(f"{path}: templates must each contain '{{c}}', got {bad[:3] or chosen}")
+        return [[template.format(c=name) for template in chosen] for name in self.class_names]
+
+    @cached_property
+    def samples(self) -> list[tuple[ImageRef, int, str]]:
+        """(image, label, path relative to the images folder) for every image, folder by folder."""
+        folders = self._class_folders()
+        samples = []
+        for label, folder in enumerate(folders):
+            files = sorted(p for p in (self.images / folder).rglob("*")
+                           if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+            if not files:
+                raise ValueError(f"class folder {self.images / folder} holds no image "
+                                 f"({', '.join(IMAGE_EXTENSIONS)})")
+            samples += [(ImageRef(str(p)), label, p.relative_to(self.images).as_posix()) for p in files]
+        return samples
+
+    def _class_folders(self) -> list[str]:
+        if not self.images.is_dir():
+            raise MissingBenchmarkData(f"{self.name}: image folder {self.images} does not exist (option `images`)")
+        on_disk = sorted(p.name for p in self.images.iterdir() if p.is_dir())
+        folders = on_disk if self.classes is None else self.classes
+        if self.classes is not None and sorted(self.classes) != on_disk:
+            raise ValueError(f"option classes does not list the class folders of {self.images}: missing "
+                             f"{sorted(set(on_disk) - set(self.classes))[:5]}, absent "
+                             f"{sorted(set(self.classes) - set(on_disk))[:5]}")
+        if len(folders) != len(self.class_names):
+            raise ValueError(f"{self.images} has {len(folders)} class folders but {self.root / CLASSNAMES_FILE} "
+                             f"lists {len(self.class_names)} class names for {self.dataset!r}")
+        return folders
+
+    def image_refs(self) -> list[ImageRef]:
+        return unique(ref for ref, _, _ in self.samples)
+
+    def outcomes(self, scorer: Scorer, progress: bool = False) -> list[Outcome]:
+        samples, prompts = self.samples, self.prompts
+        scorer.prepare(unique(ref for ref, _, _ in samples), unique(p for group in prompts for p in group),
+                       progress=progress)
+        outcomes = []
+        starts = range(0, len(samples), self.chunk_size)
+        for start in tqdm(starts, desc="zero-shot", unit="chunk", disable=not progress):
+            chunk = samples[start:start + self.chunk_size]
+            scores = np.asarray(scorer.score_groups([ref for ref, _, _ in chunk], prompts), dtype=np.float64)
+            labels = np.array([label for _, label, _ in chunk])
+            ranks, ties = class_ranks(scores, labels)
+            outcomes += [{"id": rel, "label": int(label), "rank": int(r), "ties": int(t), "classes": len(prompts)}
+                         for (_, label, rel), r, t in zip(chunk, ranks, ties)]
+        return outcomes
+
+    @staticmethod
+    def aggregate(outcomes: Sequence[Outcome]) -> dict[str, float]:
+        """top-1 / top-5 accuracy and mean per-class top-1 recall (percent), image and tie counts."""
+        hits = [o["rank"] == 0 for o in outcomes]
+        few_classes = any(o["classes"] < 5 for o in outcomes)
+        per_class: dict[int, list[bool]] = {}
+        for outcome, hit in zip(outcomes, hits):
+            per_class.setdefault(int(outcome["label"]), []).append(hit)
+        return {"top1": percent(hits),
+                "top5": float("nan") if few_classes else percent([o["rank"] < 5 for o in outcomes]),
+                "mean_per_class_recall": float(np.mean([percent(h) for h in per_class.values()]))
+                if per_class else float("nan"),
+                "images": len(outcomes),
+                "tied": sum(1 for o in outcomes if o["ties"] > 0)}
+
+
+def class_ranks(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `scores` [images, classes]: how many other classes score >= / == the gold class."""
+    if not np.isfinite(scores).all():
+        raise ValueError("scorer returned non-finite class scores")
+    gold = scores[np.arange(len(labels)), labels][:, None]
+    others = np.ones_like(scores, dtype=bool)
+    others[np.arange(len(labels)), labels] = False
+    return ((scores >= gold) & others).sum(axis=1), ((scores == gold) & others).sum(axis=1)
+
+
+def _warn_duplicates(class_names: Sequence[str], dataset: str) -> None:
+    repeated = sorted(name for name, count in Counter(class_names).items() if count > 1)
+    if repeated:
+        log.warning("%s: class names %s occur more than once; their prompts tie, so their images are never "
+                    "strictly top-1 (see the module docstring)", dataset, repeated)
+
+
+def _load_json(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        # malformed files are ValueErrors throughout the benchmarks, whatever is wrong with them
+        raise ValueError(f"{path}: expected a JSON object keyed by dataset name")  # noqa: TRY004
+    return data

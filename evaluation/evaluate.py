@@ -1,0 +1,276 @@
+"""`python -m evaluation.evaluate`: score a model on compositional benchmarks, retrieval, zero-shot, STS.
+
+Examples:
+    python -m evaluation.evaluate --run runs/negclip --benchmarks sugarcrepe,aro_vg_relation \
+        --data-root /data/benchmarks --set sugarcrepe.images=/data/coco/val2017
+    python -m evaluation.evaluate --model ViT-B-32 --pretrained openai --all --data-root /data/benchmarks
+    python -m evaluation.evaluate --list
+    python -m evaluation.evaluate --run runs/negclip --scorer sgi --scorer-option global_weight=0.5 \
+        --benchmarks sugarcrepe --data-root /data/benchmarks
+
+Each benchmark reads `<data-root>/<name>/` unless `--root NAME=DIR` says otherwise; `--set NAME.OPTION=VALUE`
+passes a constructor option (image folders, splits). `--scorer` picks how a model scores an image and a text
+(`clip`: global cosine, the default; `sgi`: structure-guided inference), `--scorer-option KEY=VALUE` sets one
+of its options (sgi: `grids=paper|paper_overlap|ours18|<spec>`, `resize=stretch|pad`, `global_weight=W`). A
+scorer that is not the global cosine (sgi) is followed by the global cosine of the same model on the same
+benchmarks, timed only (fresh caches, outcomes not written): the seconds per item of both go into the metadata
+(`cost_vs_global_cosine`) and the printout, unless `--no-cost-comparison`. Results go to `--out` (default
+`<run>/eval`, or `eval/<model>-<pretrained>`, with `-<scorer>` appended for a scorer other than clip): per-item
+`<name>/outcomes.jsonl`, `aggregates.json`, `results.md`, `results.csv`. When a run holds every part of a
+registered combined aggregate (`evaluation.benchmarks.COMBINED`, e.g. What'sUp's Table 1 means: `whatsup_ab` =
+mean of whatsup_a and whatsup_b), its numbers are written beside the benchmarks' own, and `--reaggregate`
+prints them too.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Type
+
+import yaml
+
+from evaluation.aligner import AlignerScorer, is_aligner_export
+from evaluation.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
+from evaluation.benchmarks.base import Benchmark
+from evaluation.harness import (AGGREGATES_FILE, BenchmarkResult, available_benchmarks,
+                                          build_benchmarks, combined_aggregates, default_roots, log_to_tensorboard,
+                                          markdown_tables, reaggregate, rewrite_tables, run_all, run_benchmark,
+                                          write_results)
+from evaluation.scorers import PRECISIONS, ClipScorer, Scorer
+from evaluation.sgi import SGIScorer
+
+log = logging.getLogger("evaluation.evaluate")
+
+# How a model scores an image and a text. Each class builds from `from_pretrained(name, pretrained, **kwargs)`
+# and `from_export(export_dir, **kwargs)`; its `OPTIONS` (none when absent) are the names that
+# `--scorer-option` may set. The registry lives here, the composer, because `sgi` imports `scorers`.
+SCORERS: Dict[str, Type[Scorer]] = {
+    "clip": ClipScorer,
+    "sgi": SGIScorer,
+}
+DEFAULT_SCORER = "clip"
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--run", type=Path, help="a training run directory (evaluates its export/)")
+    model.add_argument("--model", help="open_clip model name (with --pretrained)")
+    parser.add_argument("--pretrained", help="open_clip pretrained tag or checkpoint path")
+    parser.add_argument("--scorer", default=DEFAULT_SCORER, choices=list(SCORERS),
+                        help=f"how an image and a text are scored (default {DEFAULT_SCORER})")
+    parser.add_argument("--scorer-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a scorer option, value parsed as YAML (sgi: grids=paper|paper_overlap|ours18|"
+                             "1,2,3,halves, resize=stretch|pad, global_weight=0.5)")
+    parser.add_argument("--no-cost-comparison", action="store_true",
+                        help="do not time the global cosine of the same model beside a non-clip scorer")
+    add_benchmark_arguments(parser)
+    parser.add_argument("--out", type=Path, help="results folder")
+    parser.add_argument("--tensorboard", type=Path, nargs="?", const=True, default=None,
+                        help="also log the aggregates as TensorBoard scalars (default folder: <run>/tb/eval)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and the files each expects")
+    parser.add_argument("--reaggregate", type=Path, metavar="DIR",
+                        help="recompute aggregates from a results folder's per-item outcomes and print them")
+    return parser.parse_args(argv)
+
+
+def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark-selection flags shared with the leakage guard."""
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--benchmarks", help="comma-separated registry names")
+    chosen.add_argument("--all", action="store_true", help="every benchmark whose files are present")
+    parser.add_argument("--data-root", type=Path, help="folder holding one sub-folder per benchmark")
+    parser.add_argument("--root", action="append", default=[], metavar="NAME=DIR", help="one benchmark's root")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME.OPTION=VALUE",
+                        help="a benchmark constructor option (value parsed as YAML)")
+
+
+def parse_pairs(specs: Sequence[str], flag: str) -> Dict[str, str]:
+    pairs = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag} expects KEY=VALUE, got {spec!r}")
+        pairs[key] = value
+    return pairs
+
+
+def parse_options(specs: Sequence[str]) -> Dict[str, Dict[str, object]]:
+    """`--set sugarcrepe.images=/coco/val2017` -> {"sugarcrepe": {"images": "/coco/val2017"}}."""
+    options: Dict[str, Dict[str, object]] = {}
+    for key, value in parse_pairs(specs, "--set").items():
+        name, dot, option = key.partition(".")
+        if not dot:
+            raise SystemExit(f"--set expects NAME.OPTION=VALUE, got {key!r}")
+        check_names([name])
+        options.setdefault(name, {})[option] = yaml.safe_load(value)
+    return options
+
+
+def check_names(names: Sequence[str]) -> None:
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {', '.join(unknown)}; registered: {', '.join(BENCHMARKS)}")
+
+
+def list_benchmarks() -> str:
+    """Each benchmark's description and the files it expects (from the error a root without them raises)."""
+    lines = []
+    for name, cls in BENCHMARKS.items():
+        try:
+            build_benchmark(name, Path("<root>"))
+            expected = ""
+        except MissingBenchmarkData as err:
+            expected = str(err).partition("expected files: ")[2]
+        lines += [f"{name}: {cls.description}", f"    expects under its root: {expected}"]
+    return "\n".join(lines)
+
+
+def scorer_options(scorer: str, specs: Sequence[str]) -> Dict[str, object]:
+    """`--scorer-option global_weight=0.5` -> {"global_weight": 0.5}, checked against the scorer's OPTIONS."""
+    options = {key: yaml.safe_load(value) for key, value in parse_pairs(specs, "--scorer-option").items()}
+    accepted = getattr(SCORERS[scorer], "OPTIONS", ())
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise SystemExit(f"--scorer {scorer} has no option(s) {', '.join(unknown)}; "
+                         f"it accepts: {', '.join(accepted) or 'none'}")
+    return options
+
+
+def build_scorer(args: argparse.Namespace) -> Scorer:
+    scorer_class = SCORERS[args.scorer]
+    kwargs = dict(device=args.device, precision=args.precision, batch_size=args.batch_size,
+                  num_workers=args.num_workers, **scorer_options(args.scorer, args.scorer_option))
+    if args.run and args.scorer == DEFAULT_SCORER and is_aligner_export(args.run / "export"):
+        # a TFLocal / TFGlobal run: its aligner re-ranks the frozen CLIP (method.rerank_k of the run)
+        return AlignerScorer.from_export(args.run / "export", **kwargs)
+    if args.run:
+        return scorer_class.from_export(args.run / "export", **kwargs)
+    if not args.model:
+        raise SystemExit("give --run RUN_DIR or --model NAME --pretrained TAG_OR_PATH")
+    return scorer_class.from_pretrained(args.model, args.pretrained, **kwargs)
+
+
+def scorer_suffix(args: argparse.Namespace) -> str:
+    """Default folders of a non-default scorer get its name, so they never overwrite the global-cosine ones."""
+    return "" if args.scorer == DEFAULT_SCORER else f"-{args.scorer}"
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    if args.out:
+        return args.out
+    if args.run:
+        return args.run / f"eval{scorer_suffix(args)}"
+    label = f"{args.model}-{Path(str(args.pretrained)).stem if args.pretrained else 'random'}"
+    return Path("eval") / f"{label}{scorer_suffix(args)}"
+
+
+def tensorboard_dir(args: argparse.Namespace, out: Path) -> Path:
+    if args.tensorboard is not True:
+        return args.tensorboard
+    return args.run / "tb" / f"eval{scorer_suffix(args)}" if args.run else out / "tb"
+
+
+def select_benchmarks(args: argparse.Namespace):
+    roots = default_roots(args.data_root, {k: Path(v) for k, v in parse_pairs(args.root, "--root").items()})
+    check_names(list(parse_pairs(args.root, "--root")))
+    options = parse_options(args.set)
+    if args.all:
+        built, skipped = available_benchmarks(roots, options)
+        for message in skipped:
+            print(f"skipped: {message}", file=sys.stderr)
+        if not built:
+            raise SystemExit("--all found no benchmark files; see the messages above for what each expects")
+        return built
+    if not args.benchmarks:
+        raise SystemExit("give --benchmarks a,b,c or --all (see --list)")
+    names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
+    check_names(names)
+    try:
+        return build_benchmarks(names, roots, options)
+    except MissingBenchmarkData as err:
+        raise SystemExit(f"missing benchmark data:\n{err}") from None
+
+
+def cost_against_global_cosine(benchmarks: Dict[str, Benchmark], results: Sequence[BenchmarkResult],
+                               scorer: Scorer, progress: bool = False) -> Dict[str, Dict[str, object]]:
+    """Per benchmark, seconds per item of `scorer` beside those of the global cosine of the same model,
+    measured in this run: the scorer's `global_cosine_twin()` (same model, device, precision and batching,
+    empty caches) scores the same benchmarks right after it, as the scorer did, keeping its caches across
+    benchmarks. Empty for a scorer without one (the global cosine itself)."""
+    twin = getattr(scorer, "global_cosine_twin", None)
+    if twin is None:
+        return {}
+    baseline = twin()
+    cost = {}
+    for result in results:
+        seconds = run_benchmark(benchmarks[result.name], baseline, progress=progress).seconds
+        items = len(result.outcomes)
+        cost[result.name] = {"items": items, "seconds_per_item": round(result.seconds / max(items, 1), 6),
+                             "global_cosine_seconds_per_item": round(seconds / max(items, 1), 6),
+                             "ratio": round(result.seconds / seconds, 2) if seconds > 0 else None}
+    return cost
+
+
+def cost_table(cost: Dict[str, Dict[str, object]]) -> str:
+    """The cost comparison as Markdown."""
+    lines = ["| benchmark | items | s/item | global cosine s/item | ratio |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {row['items']} | {row['seconds_per_item']:.4f} | "
+              f"{row['global_cosine_seconds_per_item']:.4f} | {row['ratio']} |" for name, row in cost.items()]
+    return "\n".join(lines)
+
+
+def print_reaggregated(folder: Path) -> None:
+    """Each benchmark's aggregates recomputed from its stored outcomes, then the combined aggregates of those;
+    the folder's aggregates.json, results.md and results.csv are written again from them."""
+    aggregates = reaggregate(folder)
+    for name, values in {**aggregates, **combined_aggregates(aggregates)}.items():
+        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()})
+    rewrite_tables(folder)
+    print(f"rewrote {AGGREGATES_FILE}, results.md and results.csv in {folder}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    if args.list:
+        print(list_benchmarks())
+        return []
+    if args.reaggregate:
+        print_reaggregated(args.reaggregate)
+        return []
+    benchmarks = select_benchmarks(args)
+    scorer = build_scorer(args)
+    try:
+        results = run_all(benchmarks, scorer, progress=not args.no_progress)
+    except MissingBenchmarkData as err:
+        raise SystemExit(str(err)) from None
+    cost = {} if args.no_cost_comparison else cost_against_global_cosine(benchmarks, results, scorer,
+                                                                         progress=not args.no_progress)
+    out = output_dir(args)
+    metadata = {**scorer.describe(), "benchmarks": ",".join(benchmarks)}
+    if cost:
+        metadata["cost_vs_global_cosine"] = cost
+    folder = write_results(out, results, metadata)
+    if args.tensorboard is not None:
+        log_to_tensorboard(results, tensorboard_dir(args, out))
+    print(markdown_tables(results, metadata))
+    if cost:
+        print(cost_table(cost))
+    earlier = sorted({r.name for r in folder} - {r.name for r in results})
+    if earlier:
+        print(f"{out} also holds earlier results of {', '.join(earlier)}; its tables list them all")
+    print(f"per-item outcomes and {AGGREGATES_FILE} in {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
