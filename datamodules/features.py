@@ -1,6 +1,6 @@
 """Frozen-backbone features, computed once: `python -m datamodules.features --config FILE [--shard i/n] [k=v ...]`.
 
-The TFLocal / TFGlobal aligners (lightning_modules/tflocal.py) train on a frozen CLIP, so its outputs are a
+The TFLocal / TFGlobal aligners (lightning_modules/methods/tflocal.py) train on a frozen CLIP, so its outputs are a
 function of the data alone: this offline job encodes every image and caption of the configured train / val
 splits once and caches, per caption,
 

@@ -1,7 +1,7 @@
 """The TFLocal / TFGlobal aligner as a benchmark scorer, and the aligner's export format.
 
 `TokenAligner` is a plain `nn.Module` (the transformer over [CLS; text tokens; image tokens] described in
-lightning_modules/tflocal.py, which trains it); it lives here so that an export can be scored without the
+lightning_modules/methods/tflocal.py, which trains it); it lives here so that an export can be scored without the
 training package. `export_aligner` writes `export/aligner.pt` + `export/aligner.json` beside the backbone's
 `open_clip.pt`; `AlignerScorer.from_export` loads both and scores benchmark candidates directly, or re-ranks the
 frozen-CLIP top-k for retrieval (`rerank_k`; see `AlignerScorer` for why the ranks stay right).

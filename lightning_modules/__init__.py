@@ -6,8 +6,7 @@ or two, before any of that.
 
 The training side of the layers (README "Layout"): this package builds on `evaluation` (benchmarks scored during
 training, the aligner the TFLocal module trains), `datamodules`, `parsers` and `core` (config schema, encoders,
-export), and only `slurm` and `perf` import it. The methods, one file each on `base.py`: clip_ft.py,
-clip_cae.py, macco.py, smartclip.py, tflocal.py.
+export), and only `slurm` and `perf` import it. The methods, one file each on `base.py`, are in `methods/`.
 """
 from __future__ import annotations
 
@@ -18,11 +17,11 @@ if TYPE_CHECKING:
 
 
 def _registry() -> Dict[str, Type["CompositionalCLIPModule"]]:
-    from lightning_modules.clip_cae import ClipCAE
-    from lightning_modules.clip_ft import ClipFineTune
-    from lightning_modules.macco import MaccoCLIP
-    from lightning_modules.smartclip import SmartCLIP
-    from lightning_modules.tflocal import TFGlobal, TFLocal
+    from lightning_modules.methods.clip_cae import ClipCAE
+    from lightning_modules.methods.clip_ft import ClipFineTune
+    from lightning_modules.methods.macco import MaccoCLIP
+    from lightning_modules.methods.smartclip import SmartCLIP
+    from lightning_modules.methods.tflocal import TFGlobal, TFLocal
 
     return {
         "clip_ft": ClipFineTune,

@@ -28,7 +28,7 @@ def _exports_aligner(config_file: Path) -> bool:
     if not config_file.is_file():
         return False
     from lightning_modules import method_class  # heavy (torch): only for a run that has an export
-    from lightning_modules.tflocal import AlignerModule
+    from lightning_modules.methods.tflocal import AlignerModule
 
     method = (yaml.safe_load(config_file.read_text()) or {}).get("method", {}).get("name")
     return method is not None and issubclass(method_class(method), AlignerModule)

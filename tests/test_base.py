@@ -10,8 +10,8 @@ from torch import nn
 
 from core.config import load_config
 from lightning_modules.base import total_loss, warmup_cosine
-from lightning_modules.clip_ft import ClipFineTune
 from lightning_modules.fit import resolve_precision
+from lightning_modules.methods.clip_ft import ClipFineTune
 
 
 def tiny_cfg(*overrides: str):

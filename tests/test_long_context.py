@@ -15,7 +15,7 @@ from core.config import load_config
 from core.encoders import build_model
 from lightning_modules.fit import build_datamodule, run
 from lightning_modules.long_context import stretch_factor, stretch_positional_embedding, stretched_model_name
-from lightning_modules.smartclip import SmartCLIP
+from lightning_modules.methods.smartclip import SmartCLIP
 
 TINY = "ViT-Tiny-16-64"  # 77 text positions, width 64
 # ~115 tokens: two words placed after position 77 tell a 248-token encoder's captions apart.

@@ -23,7 +23,7 @@ from lightning_modules.base import total_loss
 from lightning_modules.fit import run
 from lightning_modules.losses import (masked_contrastive_loss, masked_patch_loss, masked_token_loss,
                                       normalised_patch_targets, patchify)
-from lightning_modules.macco import MaccoCLIP, padding_positions, run_stack, sincos_2d_positions
+from lightning_modules.methods.macco import MaccoCLIP, padding_positions, run_stack, sincos_2d_positions
 from tolerance import scaled_close
 
 CAPTIONS = ["a red cube to the left of a blue ball", "a man riding a horse", "a dog", "a small green triangle"]

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from core.config import REPO_ROOT, load_config
 from lightning_modules.base import total_loss
-from lightning_modules.macco import MaccoCLIP
+from lightning_modules.methods.macco import MaccoCLIP
 from parsers.grounding import random_rectangle_mask, rectangle_shapes
 from parsers.token_alignment import first_bpe_match_mask
 from tolerance import assert_scaled_close

@@ -12,7 +12,7 @@ import torch
 
 from core.encoders import build_model
 from evaluation.scorers import ClipScorer
-from lightning_modules.tflocal import is_feature_batch
+from lightning_modules.methods.tflocal import is_feature_batch
 from perf import gpu, step
 from tolerance import assert_scaled_close
 

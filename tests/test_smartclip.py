@@ -22,10 +22,10 @@ from core.config import REPO_ROOT, load_config
 from core.export import load_export
 from lightning_modules.base import total_loss
 from lightning_modules.fit import run
+from lightning_modules.methods.smartclip import (MaskNetwork, SmartCLIP, caption_positions, mask_network_heads,
+                                         mask_network_positions, mask_report)
 from lightning_modules.modular_losses import (ModularContrastiveLoss, mask_sparsity, masked_logits,
                                               straight_through_mask)
-from lightning_modules.smartclip import (MaskNetwork, SmartCLIP, caption_positions, mask_network_heads,
-                                         mask_network_positions, mask_report)
 from tolerance import scaled_close
 
 BATCH, DIM, WORLD, NEGATIVES = 4, 6, 2, 2

@@ -22,8 +22,8 @@ from tolerance import assert_scaled_close
 
 from core.config import REPO_ROOT, load_config
 from lightning_modules.base import total_loss
+from lightning_modules.methods.smartclip import MaskNetwork, mask_network_heads, mask_network_positions, modular_terms
 from lightning_modules.modular_losses import ModularContrastiveLoss, straight_through_mask
-from lightning_modules.smartclip import MaskNetwork, mask_network_heads, mask_network_positions, modular_terms
 
 FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "data" / "parity" / "smartclip"
 POOL_BIAS = "mask_net.attn_pool.attention.bias"

@@ -35,8 +35,8 @@ from lightning_modules.attribution import (TextAttributionInputs, WordReplacemen
                                            draw_word_replacements, group_means, text_attribution, token_kinds,
                                            word_end_table)
 from lightning_modules.base import Terms
-from lightning_modules.clip_ft import ClipFineTune
 from lightning_modules.losses import cae_attribution_loss, cae_batch_attribution_loss
+from lightning_modules.methods.clip_ft import ClipFineTune
 
 # Methods that differentiate the text forward: double backward needs the explicit attention (PyTorch's fused
 # attention kernels have no second derivative), which also gives the probabilities and traces that the
