@@ -1,6 +1,12 @@
-"""The preprocessing cache: sharded, atomically written, checksummed JSON-lines records.
+"""Sharded, atomically written, checksummed caches, and the shard bookkeeping of the offline jobs that fill them.
 
-Layout of one cache (one annotation file under one set of parser + grounder settings):
+One helper serves both offline caches: `ShardedCache` holds the preprocessing cache (JSON-lines records of
+`python -m datamodules.preprocess`), and its subclass `datamodules.features.FeatureShards` the frozen-feature
+cache (tensors of `python -m datamodules.features`); the two differ only in how a shard's payload is encoded.
+`fill_shards`, `my_shards`, `shard_count` and `add_shard_argument` are the loop and the `--shard i/n` option that
+both jobs share, and `open_cache` opens either kind once it is finished.
+
+Layout of one preprocessing cache (one annotation file under one set of parser + grounder settings):
 
     <cache_root>/<key>/
         settings.json                      what the key hashes (annotation file hash, parser, grounder)
@@ -15,12 +21,13 @@ truncated or corrupt one is named in the error.
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from core.files import atomic_write_bytes
 
@@ -52,17 +59,35 @@ def write_json(path: Path, document: Any) -> None:
 
 
 class ShardedCache:
-    """One cache directory of `num_shards` shards."""
+    """One cache directory of `num_shards` shards of JSON-lines records.
+
+    Subclasses change the payload format through `data_suffix`, `encode` and `decode`, the counts summed in
+    the manifest through `count_keys`, and the wording of errors through `label` and `job`.
+    """
+
+    data_suffix = "jsonl.gz"
+    count_keys: Tuple[str, ...] = COUNT_KEYS
+    label = "preprocessing cache"
+    job = "python -m datamodules.preprocess"
 
     def __init__(self, directory: os.PathLike | str, num_shards: int):
         self.directory = Path(directory)
         self.num_shards = num_shards
 
     def data_path(self, index: int) -> Path:
-        return self.directory / f"shard-{index:05d}-of-{self.num_shards:05d}.jsonl.gz"
+        return self.directory / f"shard-{index:05d}-of-{self.num_shards:05d}.{self.data_suffix}"
 
     def meta_path(self, index: int) -> Path:
         return self.directory / f"shard-{index:05d}-of-{self.num_shards:05d}.json"
+
+    def encode(self, records: List[dict]) -> Tuple[bytes, int]:
+        """The shard's bytes and its number of records."""
+        lines = "".join(json.dumps(record, sort_keys=True) + "\n" for record in records)
+        return gzip.compress(lines.encode(), mtime=0), len(records)
+
+    def decode(self, path: Path, expected: int) -> List[dict]:
+        """The payload of the verified data file `path`, which must hold `expected` records."""
+        return _decode_records(path, expected)
 
     def create(self, settings: Dict[str, Any]) -> None:
         """The directory and its settings.json. Jobs call this with their first finished shard (or to write the
@@ -71,13 +96,12 @@ class ShardedCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             write_json(self.directory / "settings.json", settings)
 
-    def write_shard(self, index: int, records: List[dict], counts: Dict[str, int]) -> None:
+    def write_shard(self, index: int, payload: Any, counts: Dict[str, int]) -> None:
         """Data first, then metadata carrying the data's checksum: the shard is done once both are in place."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        lines = "".join(json.dumps(record, sort_keys=True) + "\n" for record in records)
-        data = gzip.compress(lines.encode(), mtime=0)
+        data, records = self.encode(payload)
         atomic_write_bytes(self.data_path(index), data)
-        meta = {"index": index, "num_shards": self.num_shards, "records": len(records),
+        meta = {"index": index, "num_shards": self.num_shards, "records": records,
                 "sha256": hashlib.sha256(data).hexdigest(), "counts": counts}
         write_json(self.meta_path(index), meta)
 
@@ -96,22 +120,22 @@ class ShardedCache:
         data = self.data_path(index)
         return meta is not None and data.is_file() and file_sha256(data) == meta["sha256"]
 
-    def read_shard(self, index: int) -> List[dict]:
-        """The shard's records, verified against its checksum."""
+    def read_shard(self, index: int) -> Any:
+        """The shard's payload, verified against its checksum."""
         meta, data = self.read_meta(index), self.data_path(index)
         if meta is None or not data.is_file():
-            raise CacheError(f"shard {index} of {self.num_shards} is missing in {self.directory} "
-                             f"(run python -m datamodules.preprocess with the same config)")
+            raise CacheError(f"shard {index} of {self.num_shards} of the {self.label} is missing in "
+                             f"{self.directory} (run {self.job} with the same config)")
         if file_sha256(data) != meta["sha256"]:
-            raise CacheError(f"corrupt or truncated cache shard {data}: checksum mismatch; delete it and "
-                             f"rerun python -m datamodules.preprocess to rebuild it")
-        return _decode_records(data, meta["records"])
+            raise CacheError(f"corrupt or truncated {self.label} shard {data}: checksum mismatch; delete it and "
+                             f"rerun {self.job} to rebuild it")
+        return self.decode(data, meta["records"])
 
     def summarise(self, settings: Dict[str, Any]) -> dict:
         """Write manifest.json: counts over finished shards and whether every shard is finished."""
         metas = [self.read_meta(i) for i in range(self.num_shards)]
         done = [m for m in metas if m is not None]
-        counts = {key: sum(m["counts"].get(key, 0) for m in done) for key in COUNT_KEYS}
+        counts = {key: sum(m["counts"].get(key, 0) for m in done) for key in self.count_keys}
         manifest = {"num_shards": self.num_shards, "finished_shards": len(done),
                     "complete": len(done) == self.num_shards, "counts": counts, "settings": settings}
         write_json(self.directory / "manifest.json", manifest)
@@ -132,17 +156,67 @@ def _decode_records(path: Path, expected: int) -> List[dict]:
     return records
 
 
-def open_cache(directory: os.PathLike | str) -> ShardedCache:
-    """A finished cache, from its manifest; a missing or incomplete one is a clear error."""
+CacheKind = TypeVar("CacheKind", bound=ShardedCache)
+
+
+def open_cache(directory: os.PathLike | str, kind: Type[CacheKind] = ShardedCache) -> CacheKind:
+    """A finished cache of `kind`, from its manifest; a missing or incomplete one is a clear error."""
     manifest_path = Path(directory) / "manifest.json"
     if not manifest_path.is_file():
-        raise CacheError(f"no preprocessing cache at {directory}: run python -m datamodules.preprocess "
-                         f"--config <the same config files and overrides>")
+        raise CacheError(f"no {kind.label} at {directory}: run {kind.job} --config <the same config files and "
+                         f"overrides>")
     manifest = json.loads(manifest_path.read_text())
-    cache = ShardedCache(directory, manifest["num_shards"])
+    cache = kind(directory, manifest["num_shards"])
     if not manifest["complete"]:  # shards finished concurrently may each have seen the others unfinished
         manifest = cache.summarise(manifest["settings"])
     if not manifest["complete"]:
-        raise CacheError(f"the preprocessing cache at {directory} is incomplete ({manifest['finished_shards']} "
-                         f"of {manifest['num_shards']} shards): finish python -m datamodules.preprocess")
+        raise CacheError(f"the {kind.label} at {directory} is incomplete ({manifest['finished_shards']} of "
+                         f"{manifest['num_shards']} shards): finish {kind.job}")
     return cache
+
+
+# ----- the offline jobs' shard bookkeeping ------------------------------------------------------------------
+def shard_count(num_records: int, shard_size: int) -> int:
+    """Shards of `shard_size` records that hold `num_records` (at least one, so an empty split has a manifest)."""
+    return max(1, -(-num_records // shard_size))
+
+
+def my_shards(num_shards: int, shard: Tuple[int, int]) -> List[int]:
+    """The shard indices worker `shard = (i, n)` does: those with index % n == i."""
+    index, count = shard
+    return [i for i in range(num_shards) if i % count == index]
+
+
+def fill_shards(cache: ShardedCache, settings: Dict[str, Any], todo: Sequence[int],
+                produce: Callable[[int], Tuple[Any, Dict[str, int]]]) -> dict:
+    """Produce and write each shard of `todo` (`produce(index)` gives its payload and counts); return the manifest.
+
+    The folder appears with the first finished shard, so a job that fails before any shard leaves nothing.
+    """
+    for index in todo:
+        payload, counts = produce(index)
+        cache.create(settings)
+        cache.write_shard(index, payload, counts)
+    cache.create(settings)
+    return cache.summarise(settings)
+
+
+def parse_shard(text: str) -> Tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise argparse.ArgumentTypeError(f"--shard expects i/n with 0 <= i < n, got {text!r}")
+    return int(index), int(count)
+
+
+def add_shard_argument(parser: argparse.ArgumentParser) -> None:
+    """The offline jobs' `--shard i/n` option: one of n workers of a SLURM array, each doing its own shards."""
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="i/n: do shards with index %% n == i")
+
+
+def resolve_device(device: str) -> str:
+    """`device`, with "auto" meaning CUDA when there is one (torch is imported only then)."""
+    if device != "auto":
+        return device
+    import torch  # the parser-only preprocessing path needs no torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

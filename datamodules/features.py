@@ -16,7 +16,8 @@ float16 on disk halves the size (COCO train at ViT-B/32: ~6 GB of image tokens, 
 tokens are LayerNorm-ed by the aligner's input layer, so their 3 significant digits are plenty. Images are
 encoded with the deterministic evaluation transform: there is one cached view per image, no augmentation.
 
-Layout, following datamodules/cache.py (same shard / checksum / manifest conventions):
+The store is datamodules/cache.py's `ShardedCache` with tensors as the payload (`FeatureShards`): the same
+shard / checksum / manifest conventions and the same `--shard` loop as the preprocessing cache. Layout:
 
     <data.features_cache>/<key>/
         settings.json                    what the key hashes: backbone weights, annotation file, split options
@@ -47,9 +48,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from core.files import atomic_write_bytes
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
-from datamodules.cache import CacheError, ShardedCache, cache_key, file_sha256, write_json
+from datamodules.cache import (CacheError, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
+                              my_shards, open_cache, resolve_device, shard_count)
 from datamodules.coco import (IMAGE_ERRORS, build_dataloader, check_enough_samples, cycled_negative_rows,
                               find_truncated, read_image_ids, tokenize_captions, trainer_epoch_position)
 from datamodules.inputs import InputError, check_feature_inputs
@@ -165,60 +166,28 @@ def split_cache_dir(cfg, split: FeatureSplit, backbone: Dict[str, Any]) -> Path:
 class FeatureShards(ShardedCache):
     """`ShardedCache` whose shards are dicts of tensors (torch.save) instead of JSON lines."""
 
-    def data_path(self, index: int) -> Path:
-        return self.directory / f"shard-{index:05d}-of-{self.num_shards:05d}.pt"
+    data_suffix = "pt"
+    count_keys = FEATURE_COUNT_KEYS
+    label = "feature cache"
+    job = "python -m datamodules.features"
 
-    def write_shard(self, index: int, payload: Dict[str, Tensor], counts: Dict[str, int]) -> None:
-        """Data first, then metadata with the data's checksum: done once both are in place (cache.py)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def encode(self, payload: Dict[str, Tensor]) -> Tuple[bytes, int]:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
-        data = buffer.getvalue()
-        atomic_write_bytes(self.data_path(index), data)
-        meta = {"index": index, "num_shards": self.num_shards, "records": int(len(payload["caption_ids"])),
-                "sha256": hashlib.sha256(data).hexdigest(), "counts": counts}
-        write_json(self.meta_path(index), meta)
+        return buffer.getvalue(), int(len(payload["caption_ids"]))
 
-    def read_shard(self, index: int) -> Dict[str, Tensor]:
-        """The shard's tensors, verified against its checksum, memory-mapped (forked workers share pages)."""
-        meta, data = self.read_meta(index), self.data_path(index)
-        if meta is None or not data.is_file():
-            raise CacheError(f"feature shard {index} of {self.num_shards} is missing in {self.directory} "
-                             f"(run python -m datamodules.features with the same config)")
-        if file_sha256(data) != meta["sha256"]:
-            raise CacheError(f"corrupt or truncated feature shard {data}: checksum mismatch; delete it and rerun "
-                             f"python -m datamodules.features to rebuild it")
-        payload = torch.load(data, mmap=True, weights_only=True)
-        if len(payload["caption_ids"]) != meta["records"]:
-            raise CacheError(f"corrupt feature shard {data}: {len(payload['caption_ids'])} captions, expected "
-                             f"{meta['records']}")
+    def decode(self, path: Path, expected: int) -> Dict[str, Tensor]:
+        """The tensors, memory-mapped (forked workers share pages)."""
+        payload = torch.load(path, mmap=True, weights_only=True)
+        if len(payload["caption_ids"]) != expected:
+            raise CacheError(f"corrupt feature shard {path}: {len(payload['caption_ids'])} captions, expected "
+                             f"{expected}")
         return payload
-
-    def summarise(self, settings: Dict[str, Any]) -> dict:
-        """Write manifest.json: counts over finished shards and whether every shard is finished."""
-        metas = [self.read_meta(i) for i in range(self.num_shards)]
-        done = [m for m in metas if m is not None]
-        counts = {key: sum(m["counts"].get(key, 0) for m in done) for key in FEATURE_COUNT_KEYS}
-        manifest = {"num_shards": self.num_shards, "finished_shards": len(done),
-                    "complete": len(done) == self.num_shards, "counts": counts, "settings": settings}
-        write_json(self.directory / "manifest.json", manifest)
-        return manifest
 
 
 def open_feature_cache(directory: Path) -> FeatureShards:
-    """A finished feature cache, from its manifest; a missing or incomplete one is a clear error."""
-    manifest_path = Path(directory) / "manifest.json"
-    if not manifest_path.is_file():
-        raise CacheError(f"no feature cache at {directory} for this backbone and data: run python -m "
-                         f"datamodules.features --config <the same config files and overrides>")
-    manifest = json.loads(manifest_path.read_text())
-    cache = FeatureShards(directory, manifest["num_shards"])
-    if not manifest["complete"]:  # shards finished concurrently may each have seen the others unfinished
-        manifest = cache.summarise(manifest["settings"])
-    if not manifest["complete"]:
-        raise CacheError(f"the feature cache at {directory} is incomplete ({manifest['finished_shards']} of "
-                         f"{manifest['num_shards']} shards): finish python -m datamodules.features")
-    return cache
+    """A finished feature cache (for this backbone and data); a missing or incomplete one is a clear error."""
+    return open_cache(directory, FeatureShards)
 
 
 # ----- the offline job: records of a split --------------------------------------------------------------------
@@ -362,11 +331,6 @@ def encode_shard(backbone: FrozenBackbone, records: Sequence[CaptionRecord], pat
 
 
 # ----- the offline job: a split, and the command line ---------------------------------------------------------
-def my_shards(num_shards: int, shard: Tuple[int, int]) -> List[int]:
-    index, count = shard
-    return [i for i in range(num_shards) if i % count == index]
-
-
 def cache_split(cfg, split: FeatureSplit, backbone: FrozenBackbone, identity: Dict[str, Any],
                 shard: Tuple[int, int] = (0, 1)) -> dict:
     """Encode this worker's unfinished shards of one split; return the (re)written manifest."""
@@ -374,24 +338,19 @@ def cache_split(cfg, split: FeatureSplit, backbone: FrozenBackbone, identity: Di
     if not records:
         raise ValueError(f"{split.annotations}: no caption left to cache for the {split.split} split")
     size = cfg.preprocess.shard_size
-    num_shards = -(-len(records) // size)
     settings = split.settings(identity, cfg.data.on_bad_image, size)
-    cache = FeatureShards(features_root(cfg.data) / cache_key(settings), num_shards)
-    todo = [i for i in my_shards(num_shards, shard) if not cache.is_done(i)]
+    cache = FeatureShards(features_root(cfg.data) / cache_key(settings), shard_count(len(records), size))
+    todo = [i for i in my_shards(cache.num_shards, shard) if not cache.is_done(i)]
     log.info("%s: %d captions (%d dropped: missing images / empty captions), %d shards, %d to do here, cache %s",
-             split.split, len(records), dropped, num_shards, len(todo), cache.directory)
+             split.split, len(records), dropped, cache.num_shards, len(todo), cache.directory)
     # Per image, not per shard: a 5,000-caption shard is minutes of encoding. Images are the slow part (the
     # texts of a shard take a fraction of its images' time); an image whose captions straddle two shards is
     # encoded (and counted) in both.
     total = sum(shard_image_count(paths, i, size) for i in todo)
     with tqdm(total=total, desc=f"features {split.split}", unit="image", mininterval=2.0) as progress:
-        for index in todo:
-            chunk = slice(index * size, (index + 1) * size)
-            result = encode_shard(backbone, records[chunk], paths[chunk], split, progress)
-            cache.create(settings)  # with the first finished shard: a failed start leaves no folder
-            cache.write_shard(index, *result)
-    cache.create(settings)
-    return cache.summarise(settings)
+        return fill_shards(cache, settings, todo, lambda index: encode_shard(
+            backbone, records[index * size:(index + 1) * size], paths[index * size:(index + 1) * size], split,
+            progress))
 
 
 def shard_image_count(paths: Sequence[str], index: int, size: int) -> int:
@@ -405,18 +364,12 @@ def build_frozen_backbone(cfg) -> Tuple[FrozenBackbone, Dict[str, Any]]:
 
     L.seed_everything(cfg.seed, workers=True)  # fit seeds the same way before building the module
     built = build_model(cfg.model.name, cfg.model.pretrained, cfg.model.config_dir)
-    device = torch.device(_device(cfg.preprocess.device))
+    device = torch.device(resolve_device(cfg.preprocess.device))
     encoders = CLIPEncoders(built.model).to(device).eval().requires_grad_(False)
     backbone = FrozenBackbone(encoders, built.tokenizer, built.preprocess_val, device,
                               cfg.data.val_batch_size or cfg.data.batch_size, cfg.data.num_workers,
                               cfg.data.on_bad_image)
     return backbone, backbone_identity(built.name, built.model)
-
-
-def _device(device: str) -> str:
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
@@ -430,17 +383,10 @@ def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
     return {split.split: cache_split(cfg, split, backbone, identity, shard) for split in feature_splits(cfg.data)}
 
 
-def parse_shard(text: str) -> Tuple[int, int]:
-    index, _, count = text.partition("/")
-    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
-        raise argparse.ArgumentTypeError(f"--shard expects i/n with 0 <= i < n, got {text!r}")
-    return int(index), int(count)
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="experiment YAML(s), as for fit")
-    parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="i/n: do shards with index %% n == i")
+    add_shard_argument(parser)
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. data.features_cache=/scratch/f")
     return parser.parse_args(argv)
 

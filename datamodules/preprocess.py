@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tupl
 from tqdm import tqdm
 
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
-from datamodules.cache import COUNT_KEYS, ShardedCache, cache_key, file_sha256, open_cache
+from datamodules.cache import (COUNT_KEYS, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
+                              my_shards, open_cache, resolve_device, shard_count)
 from datamodules.inputs import InputError, check_preprocess_inputs
 from parsers.scene_graph import Phrase, SceneGraph, SceneGraphParser
 
@@ -86,7 +87,7 @@ def grounder_options(data, prep) -> Tuple[str, dict]:
             config_file=prep.groundingdino_config, checkpoint=prep.groundingdino_checkpoint,
             text_encoder=prep.text_encoder, box_threshold=prep.box_threshold,
             text_threshold=prep.text_threshold, image_size=prep.grounding_image_size,
-            batch_size=prep.grounding_batch_size, device=_device(prep.device),
+            batch_size=prep.grounding_batch_size, device=resolve_device(prep.device),
             allow_random_weights=prep.allow_random_detector, prompt=prep.grounding_prompt)
     if prep.grounder == "annotations":
         instances = str(Path(data.root) / prep.instances) if prep.instances else None
@@ -100,14 +101,6 @@ def make_grounder(data, prep):
 
     name, options = grounder_options(data, prep)
     return build_grounder(name, **options)
-
-
-def _device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch  # only the GroundingDINO path needs torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def cache_settings(source: SplitSource, parser: SceneGraphParser, grounder) -> dict:
@@ -285,11 +278,6 @@ def process_shard(records: Sequence[CaptionRecord], parser: SceneGraphParser, gr
 
 
 # ----- one split --------------------------------------------------------------------------------------
-def my_shards(num_shards: int, shard: Tuple[int, int]) -> List[int]:
-    index, count = shard
-    return [i for i in range(num_shards) if i % count == index]
-
-
 def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounder,
                      shard: Tuple[int, int] = (0, 1)) -> dict:
     """Process this worker's unfinished shards of one split; return the (re)written manifest."""
@@ -297,34 +285,22 @@ def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounde
     # in no particular order); the DataModule looks records up by caption id, so the order is free.
     records = sorted(source.records(), key=lambda record: (record.image_id, record.caption_id))
     size = cfg.preprocess.shard_size
-    num_shards = max(1, -(-len(records) // size))
     settings = cache_settings(source, parser, grounder)
-    cache = ShardedCache(cache_directory(cfg.preprocess.cache_root, settings), num_shards)
-    todo = [i for i in my_shards(num_shards, shard) if not cache.is_done(i)]
-    log.info("%s: %d captions, %d shards, %d to do here, cache %s", source.split, len(records), num_shards,
+    cache = ShardedCache(cache_directory(cfg.preprocess.cache_root, settings), shard_count(len(records), size))
+    todo = [i for i in my_shards(cache.num_shards, shard) if not cache.is_done(i)]
+    log.info("%s: %d captions, %d shards, %d to do here, cache %s", source.split, len(records), cache.num_shards,
              len(todo), cache.directory)
     gt_phrases = gt_phrases_by_caption(source.scene_graphs) if todo else {}
     chunks = {index: records[index * size:(index + 1) * size] for index in todo}
     with split_progress(source.split, list(chunks.values())) as progress:
-        for index, chunk in chunks.items():
-            result = process_shard(chunk, parser, grounder, source, gt_phrases, progress)
-            cache.create(settings)  # with the first finished shard: a failed start leaves no folder
-            cache.write_shard(index, *result)
-    cache.create(settings)
-    return cache.summarise(settings)
-
-
-def parse_shard(text: str) -> Tuple[int, int]:
-    index, _, count = text.partition("/")
-    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
-        raise argparse.ArgumentTypeError(f"--shard expects i/n with 0 <= i < n, got {text!r}")
-    return int(index), int(count)
+        return fill_shards(cache, settings, todo, lambda index: process_shard(
+            chunks[index], parser, grounder, source, gt_phrases, progress))
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="experiment YAML(s), as for fit")
-    parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="i/n: do shards with index %% n == i")
+    add_shard_argument(parser)
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. preprocess.grounder=none")
     return parser.parse_args(argv)
 
