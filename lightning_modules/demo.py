@@ -23,8 +23,8 @@ from evaluation.benchmarks.two_by_two import ShapesSwap
 from evaluation.evaluate import SCORERS
 from evaluation.harness import run_benchmark
 from evaluation.scorers import ClipScorer
-from lightning_modules.attribution import AttributionOptions
-from lightning_modules.monitor import image_embeddings, make_probe, probe_attribution, summarise
+from lightning_modules.attribution.library import AttributionOptions
+from lightning_modules.attribution.monitor import image_embeddings, make_probe, probe_attribution, summarise
 from parsers.scene_graph import SceneGraphParser
 
 SWAP_TYPES = ("attribute", "relation", "object")

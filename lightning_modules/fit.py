@@ -31,10 +31,10 @@ from evaluation.benchmarks import Benchmark
 from evaluation.harness import build_benchmarks, default_roots
 from evaluation.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
 from lightning_modules import METHODS, method_class
+from lightning_modules.attribution.monitor import build_attribution_monitor
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
                                         SamplesPerSecond)
-from lightning_modules.monitor import build_attribution_monitor
 from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, candidates, check_resume_config,
                                      checked_checkpoint, checkpoint_step, choose_resume_checkpoint, ResumeConfigError)
 

@@ -6,7 +6,7 @@ measurements of a method are chosen by its `method.name` through `MECHANISMS`:
 
 - every CLIP fine-tuning method (clip_ft, clip_cae, macco, smartclip) -- the **attribution gap**, so that
   CAE can be compared with CLIP-FT: mean A_comp - A_obj (x100) over the first `limit` captions of the split
-  (each with its own image), as the attribution monitor measures it (`lightning_modules.monitor`), for the
+  (each with its own image), as the attribution monitor measures it (`lightning_modules.attribution.monitor`), for the
   attention and the gradient attribution, with the schema's default attribution options for every run (all
   layers, mean over heads, renormalised): one instrument for all runs, whatever a CAE run trained on.
   Keys `attr_gap_attention`, `attr_gap_gradient`, and `attr_gap_captions` (the captions with object and
@@ -65,10 +65,10 @@ from core.export import load_export, read_export_metadata
 from datamodules.shapes import OPPOSITE_RELATION, load_scene_graphs
 from evaluation.benchmarks.base import ImageRef
 from evaluation.benchmarks.images import load_image
-from lightning_modules.attribution import AttributionOptions
+from lightning_modules.attribution.library import AttributionOptions
+from lightning_modules.attribution.monitor import image_embeddings, make_probe, probe_attribution, summarise
 from lightning_modules.losses import mean_over_masked_samples
 from lightning_modules.modular_losses import straight_through_mask
-from lightning_modules.monitor import image_embeddings, make_probe, probe_attribution, summarise
 from lightning_modules.resume import CHECKPOINT_DIR, LAST_CHECKPOINT, checked_checkpoint
 from parsers.scene_graph import SceneGraphParser
 

@@ -22,7 +22,7 @@ from collections import Counter
 
 from core.encoders import CLIPEncoders, build_model
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
-from lightning_modules.attribution import (
+from lightning_modules.attribution.library import (
     ATTRIBUTIONS,
     AttributionOptions,
     TextAttributionInputs,

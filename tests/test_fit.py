@@ -326,7 +326,7 @@ def test_a_missing_evaluation_benchmark_stops_before_training(shapes_root, tmp_p
 
 
 def test_fit_adds_the_attribution_monitor_from_the_config(shapes_root, tmp_path):
-    from lightning_modules.monitor import AttributionMonitor
+    from lightning_modules.attribution.monitor import AttributionMonitor
 
     trainer = run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=2", "monitor.every_n_steps=2",
                               "monitor.attributions=[attention]", "monitor.probe_size=4", "monitor.overlay_images=1"))

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from datamodules.word_vocabulary import WordVocabulary
-from lightning_modules.attribution import (TextAttributionInputs, WordReplacements, attribution_options,
+from lightning_modules.attribution.library import (TextAttributionInputs, WordReplacements, attribution_options,
                                            draw_word_replacements, group_means, text_attribution, token_kinds,
                                            word_end_table)
 from lightning_modules.base import Terms

@@ -1,7 +1,7 @@
 """The attribution-gap monitor: does training move attribution from object words to composition words?
 
 Every `monitor.every_n_steps` optimizer steps, on a probe set fixed for the run (the first `probe_size`
-validation captions and their images), each configured attribution method of `attribution.py` gives a
+validation captions and their images), each configured attribution method of `library.py` gives a
 per-token attribution a [N, L] of the positive pairs (image b, caption b). Per caption, A_obj / A_comp /
 A_attr / A_rel are the mean attribution over its object / composition / attribute / relation tokens, found
 by the scene-graph parser (METHODS.md, CLIP-CAE). Logged to TensorBoard at the global step:
@@ -41,7 +41,7 @@ from torch import Tensor
 from core.encoders import CLIPEncoders, TextFeatures
 from datamodules.annotations import read_annotation_file
 from datamodules.coco import CocoCaptions
-from lightning_modules.attribution import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs,
+from lightning_modules.attribution.library import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs,
                                            WordReplacements, attribution_options, draw_word_replacements,
                                            eos_positions, group_means, image_grad_eclip, text_attribution,
                                            token_kinds, word_end_table)

@@ -1,8 +1,10 @@
-"""`python -m lightning_modules.explain`: Grad-ECLIP heat map and per-token text attribution of image-text pairs.
+"""`python -m lightning_modules.attribution.explain`: Grad-ECLIP heat map and per-token text attribution of
+image-text pairs.
 
-    python -m lightning_modules.explain --run runs/X --image cat.jpg --text "a cat on a mat" --text "a mat"
-    python -m lightning_modules.explain --model ViT-B-32 --pretrained openai --image cat.jpg --text "a cat" \
-        --attribution gradcam --start-layer -4 --out cat.png
+    python -m lightning_modules.attribution.explain --run runs/X --image cat.jpg --text "a cat on a mat" \
+        --text "a mat"
+    python -m lightning_modules.attribution.explain --model ViT-B-32 --pretrained openai --image cat.jpg \
+        --text "a cat" --attribution gradcam --start-layer -4 --out cat.png
 
 One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overlaid (METHODS.md "Grad-ECLIP
 explanations"; `--heads` chooses the paper's single-head map or our multi-head variant) and a bar chart
@@ -32,7 +34,7 @@ from torchvision import transforms
 
 from core.encoders import BuiltModel, CLIPEncoders, build_model
 from core.files import atomic_write_bytes, atomic_write_text
-from lightning_modules.attribution import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
+from lightning_modules.attribution.library import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
                                            TextAttributionInputs, eos_positions, image_grad_eclip, text_attribution,
                                            word_end_table)
 
