@@ -6,7 +6,8 @@ or two, before any of that.
 
 The training side of the layers (README "Layout"): this package builds on `evaluation` (benchmarks scored during
 training, the aligner the TFLocal module trains), `datamodules`, `parsers` and `core` (config schema, encoders,
-export), and only `slurm` and `perf` import it. The methods, one file each on `base.py`, are in `methods/`.
+export), and only `slurm` and `perf` import it. The methods, one file each on `base.py`, are in `methods/`;
+attribution (the library, the training-time monitor and the heat-map CLI) is in `attribution/`.
 """
 from __future__ import annotations
 
