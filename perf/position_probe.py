@@ -21,7 +21,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import open_clip
@@ -70,8 +70,10 @@ def labelled_scenes(rng: random.Random, count: int, image_size: int, margin: flo
     return torch.stack(images), torch.tensor(labels)
 
 
-def build_tower(model: str, config_dir: Path, pos_embed: Optional[str], init: Optional[Path]) -> torch.nn.Module:
-    """The vision tower of `model` (random weights, or the export `init`), optionally with another position type."""
+def build_tower(model: str, config_dir: Path, pos_embed: Optional[str], init: Optional[Path],
+                pos_scale: float = 1.0) -> torch.nn.Module:
+    """The vision tower of `model` (random weights, or the export `init`), optionally with another position type,
+    and its learnable position table multiplied by `pos_scale` (after loading `init`)."""
     open_clip.add_model_config(config_dir)
     # open_clip.create_model's keyword arguments replace top-level config entries: a whole changed vision_cfg.
     changed = {"vision_cfg": {**open_clip.get_model_config(model)["vision_cfg"], "pos_embed_type": pos_embed}} \
@@ -80,6 +82,12 @@ def build_tower(model: str, config_dir: Path, pos_embed: Optional[str], init: Op
     if init is not None:
         state = torch.load(init / "open_clip.pt", map_location="cpu", weights_only=False)
         clip.load_state_dict(state.get("state_dict", state))
+    table = clip.visual.positional_embedding
+    if pos_scale != 1.0:
+        if not table.requires_grad:
+            raise ValueError("--pos-scale scales a learnable position table; this tower's is fixed")
+        with torch.no_grad():
+            table.mul_(pos_scale)
     return clip.visual
 
 
@@ -92,7 +100,7 @@ def train_probe(args: argparse.Namespace) -> List[dict]:
     """Train tower + head; the held-out accuracy at every evaluation step."""
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    tower = build_tower(args.model, args.config_dir, args.pos_embed, args.init)
+    tower = build_tower(args.model, args.config_dir, args.pos_embed, args.init, args.pos_scale)
     size = tower.image_size[0] if isinstance(tower.image_size, tuple) else tower.image_size
     train_x, train_y = labelled_scenes(rng, args.n_train, size, args.margin)
     val_x, val_y = labelled_scenes(rng, args.n_val, size, args.margin)
@@ -108,7 +116,7 @@ def train_probe(args: argparse.Namespace) -> List[dict]:
         optimizer.step()
         if step % args.eval_every == 0 or step == args.steps:
             tower.eval()
-            history.append({"step": step, "loss": float(loss), "val_accuracy": accuracy(tower, head, val_x, val_y),
+            history.append({"step": step, "loss": loss.item(), "val_accuracy": accuracy(tower, head, val_x, val_y),
                             "seconds": time.perf_counter() - start})
             tower.train()
             print(f"step {step}: loss {history[-1]['loss']:.3f}, held-out accuracy "
@@ -121,28 +129,39 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", default="ViT-Shapes-16-64")
     parser.add_argument("--config-dir", type=Path, default=Path("configs/models"))
     parser.add_argument("--pos-embed", choices=["learnable", "sin_cos_2d"], help="override the model's position type")
+    parser.add_argument("--pos-scale", type=float, default=1.0,
+                        help="multiply the learnable position table at the start (open_clip draws it at width**-0.5)")
     parser.add_argument("--init", type=Path, help="start from this export (e.g. runs/study/backbones/seed-0/export)")
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--n-train", type=int, default=4000)
     parser.add_argument("--n-val", type=int, default=500)
     parser.add_argument("--margin", type=float, default=0.15, help="minimum horizontal distance / image side")
-    parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, help="also write the history as JSON here")
+    add_training_arguments(parser, steps=800, eval_every=200)
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
-    args = parse_args(argv)
+def add_training_arguments(parser: argparse.ArgumentParser, steps: int, eval_every: int) -> None:
+    """The options every probe of the testbed diagnosis shares (this one and `perf.relation_text_probe`)."""
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-every", type=int, default=eval_every)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="also write the history as JSON here")
+
+
+def run_probe(args: argparse.Namespace, train: Callable[[argparse.Namespace], List[dict]]) -> List[dict]:
+    """Train a probe with `args.threads` threads; its history, also written to `args.out` when given."""
     torch.set_num_threads(args.threads)
-    history = train_probe(args)
+    history = train(args)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "history": history},
                                        indent=2))
     return history
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
+    return run_probe(parse_args(argv), train_probe)
 
 
 if __name__ == "__main__":

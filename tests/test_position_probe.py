@@ -51,3 +51,20 @@ def test_the_position_override_reaches_the_tower():
     # open_clip's fixed 2-D sin-cos table: frozen, and its CLS row is zeros.
     assert not sincos.positional_embedding.requires_grad
     assert float(sincos.positional_embedding[0].abs().sum()) == 0.0
+
+
+def test_pos_scale_multiplies_the_learnable_table_and_refuses_a_fixed_one():
+    from pathlib import Path
+
+    import torch
+
+    from perf.position_probe import build_tower
+
+    torch.manual_seed(0)
+    plain = build_tower("ViT-Tiny-16-64", Path("configs/models"), None, None)
+    torch.manual_seed(0)  # the same draw, then scaled
+    scaled = build_tower("ViT-Tiny-16-64", Path("configs/models"), None, None, pos_scale=10.0)
+    assert torch.allclose(scaled.positional_embedding, 10.0 * plain.positional_embedding, rtol=1e-6)
+    assert scaled.positional_embedding.requires_grad
+    with pytest.raises(ValueError, match="learnable"):
+        build_tower("ViT-Tiny-16-64", Path("configs/models"), "sin_cos_2d", None, pos_scale=10.0)
