@@ -44,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import yaml
 
 from core.files import atomic_write_text
-from lightning_modules.runs import RUN_LOG, SWEEP_FILE, export_complete
+from lightning_modules.study.runs import RUN_LOG, SWEEP_FILE, export_complete
 
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
                   "mem": None, "max_parallel": None, "extra": []}

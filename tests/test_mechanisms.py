@@ -20,7 +20,7 @@ from core.config import REPO_ROOT, load_config, save_config
 from datamodules.shapes import caption_from_dict, generate, load_scene_graphs
 from lightning_modules import METHODS
 from lightning_modules.fit import run
-from lightning_modules.mechanisms import (MECHANISMS, MechanismError, SplitFiles, jaccard, jaccard_matrix, load_run,
+from lightning_modules.study.mechanisms import (MECHANISMS, MechanismError, SplitFiles, jaccard, jaccard_matrix, load_run,
                                           macco_samples, measure, pair_means, relation_flip_captions,
                                           same_relation_flip, shuffled_partners, split_config, trained_module,
                                           with_partner_images)

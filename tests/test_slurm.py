@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from datamodules.shapes import generate
-from lightning_modules.runs import RUN_LOG, export_complete
+from lightning_modules.study.runs import RUN_LOG, export_complete
 from slurm import sweep as sweep_module
 from slurm.localcluster import LocalSlurm
 from slurm.sweep import expand, load_sweep, local_threads, main as sweep_main, run_local, SweepError

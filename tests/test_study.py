@@ -17,11 +17,11 @@ import torch
 
 from evaluation.benchmarks.two_by_two import ShapesSwap
 from lightning_modules import study as study_module
-from lightning_modules.study import (CACHE_FILE, FROZEN_DIR, Evaluations, StudyError, StudySettings,
+from lightning_modules.study.command import (CACHE_FILE, FROZEN_DIR, Evaluations, StudyError, StudySettings,
                                      cached_scores, evaluate_study, export_fingerprint, item_values, load_study,
                                      parse_settings, select_settings, split_fingerprint)
-from lightning_modules.study_report import read_curves, write_report
-from lightning_modules.study_stats import seed_interval
+from lightning_modules.study.report import read_curves, write_report
+from lightning_modules.study.stats import seed_interval
 
 REPO = Path(__file__).resolve().parents[1]
 SPLITS = ("val", "test", "test_unseen")
@@ -489,7 +489,7 @@ def hand_metric(outcomes: list, metric: str) -> float:
 
 def welch(first: list, second: list) -> tuple:
     """Welch's difference interval written out (95%)."""
-    from lightning_modules.study_stats import student_t_quantile
+    from lightning_modules.study.stats import student_t_quantile
 
     a, b = np.var(first, ddof=1) / len(first), np.var(second, ddof=1) / len(second)
     df = (a + b) ** 2 / (a ** 2 / (len(first) - 1) + b ** 2 / (len(second) - 1))
@@ -510,7 +510,7 @@ def validity_report(tmp_path_factory):
 
 
 def test_difference_interval_matches_the_t_table():
-    from lightning_modules.study_stats import difference_interval
+    from lightning_modules.study.stats import difference_interval
 
     # n = 3 + 3, both variances 1: standard error sqrt(2/3), Welch df = 4, t_0.975(4) = 2.776445 (tables)
     interval = difference_interval([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
@@ -569,8 +569,8 @@ def test_validity_section_is_written_and_printed_and_shows_every_check(validity_
 def test_validity_checks_pass_and_fail_at_their_criteria(validity_report):
     from dataclasses import replace
 
-    from lightning_modules.study import study_cells
-    from lightning_modules.study_validity import measure_validity
+    from lightning_modules.study.command import study_cells
+    from lightning_modules.study.validity import measure_validity
 
     _, study, evaluations, selections, _, _ = validity_report
     cells = study_cells(study, evaluations, selections)
@@ -623,7 +623,7 @@ def test_bad_validity_settings_are_named(tmp_path):
 
 
 def test_mechanisms_are_measured_on_the_chosen_splits_with_the_chosen_limit(monkeypatch):
-    import lightning_modules.mechanisms as mechanisms_module
+    import lightning_modules.study.mechanisms as mechanisms_module
 
     calls = []
     monkeypatch.setattr(mechanisms_module, "measure",

@@ -20,7 +20,7 @@ Settings come from the sweep file's `study:` block (copied into sweep.json), eve
         reference: frozen_cosine       # the frozen cosine (default: the one row scored by `clip`)
         methods: [tflocal, tfglobal]   # frozen-backbone methods: compared with the reference, not the baseline
       bootstrap: {resamples: 10000, seed: 0}
-      validity:                        # the testbed validity table (study_validity.py); optional
+      validity:                        # the testbed validity table (validity.py); optional
         backbones: [runs/study/backbone, runs/study/backbone_seed1]  # run dirs or exports, one per pretraining seed
         control: {method: clip_ft, negatives: with}   # the positive control: a grid cell, at its chosen setting
         criteria: {relation_gain: 15, group_gain: 10, chance_margin: 5, ceiling: 95}  # these are the defaults
@@ -32,15 +32,15 @@ What it does, in order:
 2. Chooses, per (method, condition), the setting with the best mean validation metric over seeds (the first in
    grid order on a tie). Only the selection split's numbers enter this choice.
 3. Scores the runs of the chosen settings on the reporting splits, with each method's own mechanism metrics
-   (`mechanisms(run_dir, data_root, split) -> dict`, `lightning_modules.mechanisms.measure`), and the frozen rows
+   (`mechanisms(run_dir, data_root, split) -> dict`, `lightning_modules.study.mechanisms.measure`), and the frozen rows
    (nothing to select: reporting splits only), and the validity backbones with the global cosine (`clip`) on
    the reporting splits. The runs of other settings are never scored on a reporting split.
 4. Summarises per method x condition x split: the mean and Student-t 95% interval over seeds of each metric
-   (`study_stats.seed_interval`), and the paired items x seeds bootstrap (`study_stats.paired_bootstrap`) of
+   (`stats.seed_interval`), and the paired items x seeds bootstrap (`stats.paired_bootstrap`) of
    the group score and the 2-way relation accuracy of each method against the baseline in the same condition
    (frozen-backbone methods and the other frozen rows against the frozen reference).
 5. Writes `<out or sweep>/report/`: results.md, results.csv, differences.csv, scores_<split>.png,
-   validation_curves.png and tb_hparams/ (`tensorboard --logdir <sweep>/report/tb_hparams`): study_report.py;
+   validation_curves.png and tb_hparams/ (`tensorboard --logdir <sweep>/report/tb_hparams`): report.py;
    with `validity`, its section in results.md (also printed), rows in results.csv and validity.json.
 
 Each run's scores are cached in `<run>/study_eval.json` with the per-item outcomes they were computed from (an
@@ -63,8 +63,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from core.files import atomic_write_text
-from lightning_modules.runs import RUN_LOG, SWEEP_FILE, export_complete
-from lightning_modules.study_stats import DEFAULT_RESAMPLES, Interval, paired_bootstrap, seed_interval
+from lightning_modules.study.runs import RUN_LOG, SWEEP_FILE, export_complete
+from lightning_modules.study.stats import DEFAULT_RESAMPLES, Interval, paired_bootstrap, seed_interval
 
 CACHE_FILE = "study_eval.json"
 CACHE_VERSION = 1
@@ -764,7 +764,7 @@ def comparisons(cells: Sequence[Cell], settings: StudySettings) -> List[Comparis
 
 # ----- command line -------------------------------------------------------------------------------------------
 def load_mechanisms(limit: Optional[int] = None, splits: Optional[Sequence[str]] = None) -> Optional[Mechanisms]:
-    """`lightning_modules.mechanisms.measure` when that module exists (None, with a notice, when it does not).
+    """`lightning_modules.study.mechanisms.measure` when that module exists (None, with a notice, when it does not).
 
     Args:
         limit: captions / samples per measurement (None: measure's default).
@@ -772,11 +772,11 @@ def load_mechanisms(limit: Optional[int] = None, splits: Optional[Sequence[str]]
             a long study can spend its mechanism budget on the split it reports them for.
     """
     try:
-        from lightning_modules.mechanisms import measure
+        from lightning_modules.study.mechanisms import measure
     except ModuleNotFoundError as err:
-        if err.name != "lightning_modules.mechanisms":
+        if err.name != "lightning_modules.study.mechanisms":
             raise  # the module exists but one of its own imports is missing: a real error
-        print("notice: lightning_modules.mechanisms is not available; the report has no mechanism metrics")
+        print("notice: lightning_modules.study.mechanisms is not available; the report has no mechanism metrics")
         return None
     options = {} if limit is None else {"limit": limit}
 
@@ -799,7 +799,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Path:
-    from lightning_modules.study_report import write_report
+    from lightning_modules.study.report import write_report
 
     args = parse_args(argv)
     try:
@@ -813,6 +813,3 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     print(f"report: {results}")
     return results
 
-
-if __name__ == "__main__":
-    main()

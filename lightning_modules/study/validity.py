@@ -12,9 +12,9 @@ attribute and object accuracy and the swap group score, and runs three checks:
 (c) systematic generalisation is measurable: the control is scored on `test_unseen` beside `test` (PASS when
     both are scored); its gap `test - test_unseen` is shown, paired over the control's seeds.
 
-Means and 95% intervals over seeds are `study_stats.seed_interval`. The gains compare two unpaired seed sets (the
+Means and 95% intervals over seeds are `stats.seed_interval`. The gains compare two unpaired seed sets (the
 backbones' pretraining seeds and the control's fine-tuning seeds, possibly different counts), so they are the
-difference of the two means with Welch's t-interval (`study_stats.difference_interval`); a paired bootstrap
+difference of the two means with Welch's t-interval (`stats.difference_interval`); a paired bootstrap
 needs paired seeds. The checks read the means; the intervals are printed beside them. A FAIL is always shown.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from lightning_modules.study import Cell, Evaluations, SplitEval, Study, ValiditySettings, metric_values
-from lightning_modules.study_report import TITLES, interval_text, table
-from lightning_modules.study_stats import Interval, difference_interval, seed_interval
+from lightning_modules.study.command import Cell, Evaluations, SplitEval, Study, ValiditySettings, metric_values
+from lightning_modules.study.report import TITLES, interval_text, table
+from lightning_modules.study.stats import Interval, difference_interval, seed_interval
 
 VALIDITY_METRICS = ("acc_relation", "acc_attribute", "acc_object", "group")
 CHANCE_2WAY = 50.0

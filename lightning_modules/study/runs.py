@@ -1,4 +1,4 @@
-"""A sweep's files as `slurm.sweep` writes them and the method study (`lightning_modules/study.py`) reads them.
+"""A sweep's files as `slurm.sweep` writes them and the method study (`lightning_modules.study`) reads them.
 
 `SWEEP_FILE` (the expanded grid, in the sweep directory), `RUN_LOG` (each run's output, in its run directory)
 and `export_complete` (whether fit finished a run) live here, below both, so that the study does not

@@ -11,7 +11,7 @@
   `validation_curves.png` (every run's `eval/shapes_swap/*` TensorBoard curve, a column per method);
 - `tb_hparams/`: one hparams session per scored run (`tensorboard --logdir <report>/tb_hparams`);
 - with `study.validity`: the "Testbed validity" section of results.md (first, and printed), its rows in
-  results.csv (`validity/*`) and `validity.json` (study_validity.py).
+  results.csv (`validity/*`) and `validity.json` (validity.py).
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from core.files import atomic_write_text
-from lightning_modules.study import (METRICS, NO_CONDITION, PAIRED_METRICS, Cell, Comparison, Evaluations,
+from lightning_modules.study.command import (METRICS, NO_CONDITION, PAIRED_METRICS, Cell, Comparison, Evaluations,
                                      Progress, Selection, Study, Summary, _finite, comparisons, metric_values,
                                      study_cells, summarise)
-from lightning_modules.study_stats import Interval
+from lightning_modules.study.stats import Interval
 
 TITLES = {"text": "swap text", "image": "swap image", "group": "swap group", "acc_attribute": "2-way attribute",
           "acc_relation": "2-way relation", "acc_object": "2-way object", "i2t_r1": "I2T R@1", "t2i_r1": "T2I R@1"}
@@ -43,7 +43,7 @@ def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tup
                  out_dir: Path, progress: Progress = print) -> Path:
     """Every report file under `out_dir`; returns the path of results.md. The testbed validity section, when
     the study has one, also goes to `progress` (it is the first thing to read: can the testbed show a gain?)."""
-    from lightning_modules import study_validity  # it builds on this module's table helpers
+    from lightning_modules.study import validity as study_validity  # it builds on this module's table helpers
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = study_cells(study, evaluations, selections)
@@ -198,7 +198,7 @@ def verdict(interval: Interval) -> str:
 def mechanisms_section(study: Study, summaries: Sequence[Summary]) -> List[str]:
     mechanism = [s for s in summaries if s.metric.startswith("mechanism/")]
     if not mechanism:
-        return ["## Mechanisms", "", "(no mechanism metrics: lightning_modules.mechanisms was not available or "
+        return ["## Mechanisms", "", "(no mechanism metrics: lightning_modules.study.mechanisms was not available or "
                 "measured nothing)", ""]
     lines = []
     found = by_key(mechanism)
