@@ -567,7 +567,7 @@ def test_configs_hold_the_recipe():
     assert paper.optim.head_decay_1d and paper.optim.logit_scale_group == "head"
     assert paper.data.comp_mask_rule == "every_occurrence"  # ours, documented; first_bpe_match is the original's
     demo = load_config([REPO_ROOT / "configs" / "demo" / "macco.yaml"])
-    assert demo.model.pretrained == "runs/demo_pretrain/export" and demo.trainer.max_steps == 300
+    assert demo.model.pretrained == "runs/demo_pretrain/export" and demo.trainer.max_steps == 100
     assert demo.method.name == "macco" and demo.data.masks
 
 
