@@ -23,19 +23,19 @@ from collections import Counter
 from core.encoders import CLIPEncoders, build_model
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
 from lightning_modules.attribution.library import (
-    ATTRIBUTIONS,
-    AttributionOptions,
-    TextAttributionInputs,
-    attribution_options,
-    draw_word_replacements,
-    group_means,
-    image_grad_eclip,
-    splice_words,
-    text_attribution,
-    token_kinds,
-    word_end_table,
-    word_groups,
-)
+                                                   ATTRIBUTIONS,
+                                                   AttributionOptions,
+                                                   TextAttributionInputs,
+                                                   attribution_options,
+                                                   draw_word_replacements,
+                                                   group_means,
+                                                   image_grad_eclip,
+                                                   splice_words,
+                                                   text_attribution,
+                                                   token_kinds,
+                                                   word_end_table,
+                                                   word_groups,
+                                                   )
 from tolerance import assert_scaled_close, scaled_close
 
 # "axolotl" and "photosynthesizing" are split into several BPE pieces; "" has no content token at all.

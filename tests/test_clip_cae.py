@@ -13,7 +13,8 @@ import torch
 from core.config import REPO_ROOT, load_config
 from datamodules.shapes import generate
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
-from lightning_modules.attribution.library import ATTRIBUTIONS, TextAttributionInputs, attribution_options, text_attribution
+from lightning_modules.attribution.library import (ATTRIBUTIONS, TextAttributionInputs, attribution_options,
+                                                   text_attribution)
 from lightning_modules.fit import run
 from lightning_modules.losses import cae_attribution_loss
 from lightning_modules.methods.clip_cae import VOCABULARY_KEY, ClipCAE

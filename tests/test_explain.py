@@ -17,7 +17,7 @@ from core.export import export_model, load_export
 from evaluation.benchmarks.standin.images import write_image
 from lightning_modules.attribution.explain import display_image, main, token_pieces
 from lightning_modules.attribution.library import (AttributionOptions, TextAttributionInputs, text_attribution,
-                                           word_end_table)
+                                                   word_end_table)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "ViT-Tiny-16-64"

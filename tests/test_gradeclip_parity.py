@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from core.encoders import CLIPEncoders
 from lightning_modules.attribution.library import (AttributionOptions, TextAttributionInputs, image_grad_eclip,
-                                           image_grad_eclip_grid, min_max, text_attribution)
+                                                   image_grad_eclip_grid, min_max, text_attribution)
 from tolerance import assert_scaled_close, scaled_close
 
 FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "data" / "parity" / "gradeclip"

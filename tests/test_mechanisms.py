@@ -20,10 +20,10 @@ from core.config import REPO_ROOT, load_config, save_config
 from datamodules.shapes import caption_from_dict, generate, load_scene_graphs
 from lightning_modules import METHODS
 from lightning_modules.fit import run
-from lightning_modules.study.mechanisms import (MECHANISMS, MechanismError, SplitFiles, jaccard, jaccard_matrix, load_run,
-                                          macco_samples, measure, pair_means, relation_flip_captions,
-                                          same_relation_flip, shuffled_partners, split_config, trained_module,
-                                          with_partner_images)
+from lightning_modules.study.mechanisms import (MECHANISMS, MechanismError, SplitFiles, jaccard, jaccard_matrix,
+                                                load_run, macco_samples, measure, pair_means, relation_flip_captions,
+                                                same_relation_flip, shuffled_partners, split_config, trained_module,
+                                                with_partner_images)
 from tolerance import assert_scaled_close
 
 TINY = "ViT-Tiny-16-64"

@@ -16,7 +16,8 @@ from torch import nn
 
 from core.config import REPO_ROOT, load_config
 from datamodules.shapes import SHAPES, generate
-from lightning_modules.attribution.library import attribution_options, group_means, text_attribution, TextAttributionInputs
+from lightning_modules.attribution.library import (TextAttributionInputs, attribution_options, group_means,
+                                                   text_attribution)
 from lightning_modules.attribution.monitor import AttributionMonitor, build_attribution_monitor, build_probe, eval_mode
 from lightning_modules.fit import build_datamodule, build_module, run
 from parsers.scene_graph import SceneGraphParser

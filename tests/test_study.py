@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from evaluation.benchmarks.two_by_two import ShapesSwap
-from lightning_modules import study as study_module
+from lightning_modules.study import command as study_module
 from lightning_modules.study.command import (CACHE_FILE, FROZEN_DIR, Evaluations, StudyError, StudySettings,
-                                     cached_scores, evaluate_study, export_fingerprint, item_values, load_study,
-                                     parse_settings, select_settings, split_fingerprint)
+                                             cached_scores, evaluate_study, export_fingerprint, item_values, load_study,
+                                             parse_settings, select_settings, split_fingerprint)
 from lightning_modules.study.report import read_curves, write_report
 from lightning_modules.study.stats import seed_interval
 

@@ -29,7 +29,8 @@ from evaluation.benchmarks.standin.retrieval import write_coco_retrieval
 from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
 from evaluation.harness import run_benchmark
 from lightning_modules.base import total_loss
-from lightning_modules.methods.tflocal import TFGlobal, TFLocal, aligner_infonce, aligner_inputs, aligner_itm, is_feature_batch
+from lightning_modules.methods.tflocal import (TFGlobal, TFLocal, aligner_infonce, aligner_inputs, aligner_itm,
+                                               is_feature_batch)
 
 NEGATIVES = 3
 SMALL_ALIGNER = ["method.aligner_width=32", "method.aligner_layers=1", "method.aligner_heads=2"]

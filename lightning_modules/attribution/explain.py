@@ -35,8 +35,8 @@ from torchvision import transforms
 from core.encoders import BuiltModel, CLIPEncoders, build_model
 from core.files import atomic_write_bytes, atomic_write_text
 from lightning_modules.attribution.library import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
-                                           TextAttributionInputs, eos_positions, image_grad_eclip, text_attribution,
-                                           word_end_table)
+                                                   TextAttributionInputs, eos_positions, image_grad_eclip,
+                                                   text_attribution, word_end_table)
 
 DEFAULTS = AttributionOptions()
 END_OF_WORD = "</w>"

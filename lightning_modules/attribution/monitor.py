@@ -42,9 +42,9 @@ from core.encoders import CLIPEncoders, TextFeatures
 from datamodules.annotations import read_annotation_file
 from datamodules.coco import CocoCaptions
 from lightning_modules.attribution.library import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs,
-                                           WordReplacements, attribution_options, draw_word_replacements,
-                                           eos_positions, group_means, image_grad_eclip, text_attribution,
-                                           token_kinds, word_end_table)
+                                                   WordReplacements, attribution_options, draw_word_replacements,
+                                                   eos_positions, group_means, image_grad_eclip, text_attribution,
+                                                   token_kinds, word_end_table)
 from lightning_modules.callbacks import eval_mode
 from parsers.scene_graph import SceneGraph, SceneGraphParser
 from parsers.token_alignment import spans_to_token_mask

@@ -25,8 +25,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from core.files import atomic_write_text
 from lightning_modules.study.command import (METRICS, NO_CONDITION, PAIRED_METRICS, Cell, Comparison, Evaluations,
-                                     Progress, Selection, Study, Summary, _finite, comparisons, metric_values,
-                                     study_cells, summarise)
+                                             Progress, Selection, Study, Summary, _finite, comparisons, metric_values,
+                                             study_cells, summarise)
 from lightning_modules.study.stats import Interval
 
 TITLES = {"text": "swap text", "image": "swap image", "group": "swap group", "acc_attribute": "2-way attribute",
