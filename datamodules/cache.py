@@ -3,8 +3,8 @@
 One helper serves both offline caches: `ShardedCache` holds the preprocessing cache (JSON-lines records of
 `python -m datamodules.preprocess`), and its subclass `datamodules.features.FeatureShards` the frozen-feature
 cache (tensors of `python -m datamodules.features`); the two differ only in how a shard's payload is encoded.
-`fill_shards`, `my_shards`, `shard_count` and `add_shard_argument` are the loop and the `--shard i/n` option that
-both jobs share, and `open_cache` opens either kind once it is finished.
+`ShardedCache.unfinished`, `fill_shards`, `shard_count` and `add_shard_argument` are the loop and the
+`--shard i/n` option that both jobs share, and `open_cache` opens either kind once it is finished.
 
 Layout of one preprocessing cache (one annotation file under one set of parser + grounder settings):
 
@@ -104,6 +104,10 @@ class ShardedCache:
         meta = {"index": index, "num_shards": self.num_shards, "records": records,
                 "sha256": hashlib.sha256(data).hexdigest(), "counts": counts}
         write_json(self.meta_path(index), meta)
+
+    def unfinished(self, shard: Tuple[int, int]) -> List[int]:
+        """The shards worker `shard = (i, n)` still has to do: its own (`my_shards`) that are not done."""
+        return [index for index in my_shards(self.num_shards, shard) if not self.is_done(index)]
 
     def read_meta(self, index: int) -> Optional[dict]:
         path = self.meta_path(index)

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from datamodules.cache import (CacheError, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
-                              my_shards, open_cache, resolve_device, shard_count)
+                              open_cache, resolve_device, shard_count)
 from datamodules.coco import (IMAGE_ERRORS, build_dataloader, check_enough_samples, cycled_negative_rows,
                               find_truncated, read_image_ids, tokenize_captions, trainer_epoch_position)
 from datamodules.inputs import InputError, check_feature_inputs
@@ -340,7 +340,7 @@ def cache_split(cfg, split: FeatureSplit, backbone: FrozenBackbone, identity: Di
     size = cfg.preprocess.shard_size
     settings = split.settings(identity, cfg.data.on_bad_image, size)
     cache = FeatureShards(features_root(cfg.data) / cache_key(settings), shard_count(len(records), size))
-    todo = [i for i in my_shards(cache.num_shards, shard) if not cache.is_done(i)]
+    todo = cache.unfinished(shard)
     log.info("%s: %d captions (%d dropped: missing images / empty captions), %d shards, %d to do here, cache %s",
              split.split, len(records), dropped, cache.num_shards, len(todo), cache.directory)
     # Per image, not per shard: a 5,000-caption shard is minutes of encoding. Images are the slow part (the

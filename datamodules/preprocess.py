@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from datamodules.cache import (COUNT_KEYS, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
-                              my_shards, open_cache, resolve_device, shard_count)
+                              open_cache, resolve_device, shard_count)
 from datamodules.inputs import InputError, check_preprocess_inputs
 from parsers.scene_graph import Phrase, SceneGraph, SceneGraphParser
 
@@ -287,7 +287,7 @@ def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounde
     size = cfg.preprocess.shard_size
     settings = cache_settings(source, parser, grounder)
     cache = ShardedCache(cache_directory(cfg.preprocess.cache_root, settings), shard_count(len(records), size))
-    todo = [i for i in my_shards(cache.num_shards, shard) if not cache.is_done(i)]
+    todo = cache.unfinished(shard)
     log.info("%s: %d captions, %d shards, %d to do here, cache %s", source.split, len(records), cache.num_shards,
              len(todo), cache.directory)
     gt_phrases = gt_phrases_by_caption(source.scene_graphs) if todo else {}

@@ -71,13 +71,20 @@ def oracle_embeddings(codes: torch.Tensor, width: int, seed: int) -> torch.Tenso
 
 
 def training_set(root: Path, split: str, num_negatives: int) -> Dict[str, list]:
-    """Captions, their hard negatives and their images' oracle codes, from the world's files."""
+    """Captions, their hard negatives and their images' oracle codes, from the world's files.
+
+    Raises:
+        ValueError: if a caption has fewer than `num_negatives` hard negatives (the world writes 3 per caption).
+    """
     images = {record["image_id"]: record for record in load_scene_graphs(root, split)}
     annotations = json.loads((root / "annotations" / f"captions_{split}.json").read_text())["annotations"]
-    usable = [a for a in annotations if len(a.get("neg_captions", [])) >= num_negatives]
-    codes = [oracle_code(images[a["image_id"]]["objects"], images[a["image_id"]]["width"]) for a in usable]
-    return {"captions": [a["caption"] for a in usable], "codes": codes,
-            "negatives": [a["neg_captions"][:num_negatives] for a in usable]}
+    short = [a["id"] for a in annotations if len(a.get("neg_captions", [])) < num_negatives]
+    if short:
+        raise ValueError(f"{len(short)} captions of {root}/annotations/captions_{split}.json have fewer than "
+                         f"--negatives {num_negatives} hard negatives (e.g. caption ids {short[:3]})")
+    codes = [oracle_code(images[a["image_id"]]["objects"], images[a["image_id"]]["width"]) for a in annotations]
+    return {"captions": [a["caption"] for a in annotations], "codes": codes,
+            "negatives": [a["neg_captions"][:num_negatives] for a in annotations]}
 
 
 def swap_set(root: Path, split: str) -> Dict[str, list]:

@@ -49,8 +49,8 @@ def test_two_workers_fill_one_cache_of_either_kind(tmp_path, kind, produce):
     with pytest.raises(CacheError, match="incomplete"):
         open_cache(directory, kind)
     cache = kind(directory, 3)
-    todo = [i for i in my_shards(3, (1, 2)) if not cache.is_done(i)]
-    manifest = fill_shards(cache, settings, todo, tracked)
+    assert cache.unfinished((0, 2)) == [] and cache.unfinished((0, 1)) == [1]  # a rerun redoes nothing finished
+    manifest = fill_shards(cache, settings, cache.unfinished((1, 2)), tracked)
     assert produced == [0, 2, 1]
     assert manifest["complete"] and manifest["counts"]["captions"] == 3 * produce(0)[1]["captions"]
     opened = open_cache(directory, kind)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from datamodules.shapes import generate, load_swap_items
-from perf.relation_text_probe import (CODE_WIDTH, main, oracle_code, oracle_embeddings, swap_set,
+from perf.relation_text_probe import (CODE_WIDTH, main, oracle_code, oracle_embeddings, swap_set, training_set,
                                       two_way_accuracy)
 
 
@@ -74,3 +74,9 @@ def test_a_short_probe_trains_the_text_tower_and_reports_its_history(world, tmp_
                for entry in history)
     assert all(0.0 <= value <= 1.0 for entry in history for value in entry["two_way"].values())
     assert json.loads(out.read_text())["history"] == history
+
+
+def test_more_negatives_than_the_world_has_is_an_error_not_a_smaller_training_set(world):
+    assert len(training_set(world, "train", 3)["negatives"][0]) == 3
+    with pytest.raises(ValueError, match="fewer than --negatives 4"):
+        training_set(world, "train", 4)

@@ -763,21 +763,16 @@ def comparisons(cells: Sequence[Cell], settings: StudySettings) -> List[Comparis
 
 
 # ----- command line -------------------------------------------------------------------------------------------
-def load_mechanisms(limit: Optional[int] = None, splits: Optional[Sequence[str]] = None) -> Optional[Mechanisms]:
-    """`lightning_modules.study.mechanisms.measure` when that module exists (None, with a notice, when it does not).
+def load_mechanisms(limit: Optional[int] = None, splits: Optional[Sequence[str]] = None) -> Mechanisms:
+    """`lightning_modules.study.mechanisms.measure` with these options (imported on use: it pulls in the models).
 
     Args:
         limit: captions / samples per measurement (None: measure's default).
         splits: measure only these splits (None: every reporting split); the others get no mechanism metrics, so
             a long study can spend its mechanism budget on the split it reports them for.
     """
-    try:
-        from lightning_modules.study.mechanisms import measure
-    except ModuleNotFoundError as err:
-        if err.name != "lightning_modules.study.mechanisms":
-            raise  # the module exists but one of its own imports is missing: a real error
-        print("notice: lightning_modules.study.mechanisms is not available; the report has no mechanism metrics")
-        return None
+    from lightning_modules.study.mechanisms import measure
+
     options = {} if limit is None else {"limit": limit}
 
     def measured(run_dir: Path, data: Path, split: str) -> Dict[str, float]:

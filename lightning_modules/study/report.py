@@ -198,8 +198,7 @@ def verdict(interval: Interval) -> str:
 def mechanisms_section(study: Study, summaries: Sequence[Summary]) -> List[str]:
     mechanism = [s for s in summaries if s.metric.startswith("mechanism/")]
     if not mechanism:
-        return ["## Mechanisms", "", "(no mechanism metrics: lightning_modules.study.mechanisms was not available or "
-                "measured nothing)", ""]
+        return ["## Mechanisms", "", "(no mechanism metrics: none was measured on these splits)", ""]
     lines = []
     found = by_key(mechanism)
     keys = list(dict.fromkeys(s.metric for s in mechanism))
