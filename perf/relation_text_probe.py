@@ -22,7 +22,9 @@ of patch-sized cells, with one caption template, relation is 54, 55, 66% at step
 label directly ("is the red object on the left?", from the caption), the same text tower learns it in 100 steps.
 With the image side solved, learning which object a relation word binds to is still the slow part of contrastive
 training, far slower than the 100 steps a fine-tuning run of the study gets: the failing positive control is not
-the failure of one tower alone.
+the failure of one tower alone. What makes it slow is the converse wording ("X left of Y" or "Y right of X": which
+slot is on the left depends on the slot and the word together). On the same world stated one way
+(`python -m datamodules.shapes ... --relations one-way`) relation is 69, 73, 78% at steps 100, 200, 300.
 """
 from __future__ import annotations
 

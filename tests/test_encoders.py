@@ -30,7 +30,8 @@ def images_for(model, n=3, seed=0):
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("name", ["ViT-Tiny-16-64", "ViT-B-32"])
+# ViT-Shapes-8-32-SinCos: a fixed 2-D sin-cos position table instead of a learned one (the study diagnosis).
+@pytest.mark.parametrize("name", ["ViT-Tiny-16-64", "ViT-B-32", "ViT-Shapes-8-32-SinCos"])
 def test_plain_outputs_equal_open_clip(name):
     built = build_model(name, None, "configs/models")
     model, encoders = built.model.eval(), CLIPEncoders(built.model)
@@ -304,3 +305,13 @@ def test_continuations_under_bf16_autocast_follow_whole_forwards(tiny):
         whole = encoders.encode_text(variants).pooled
     assert continued.dtype == torch.bfloat16
     assert scaled_close(continued.float(), whole.float(), 3e-2)
+
+
+def test_sincos_shapes_model_has_a_fixed_position_table_per_patch():
+    visual = build_model("ViT-Shapes-8-32-SinCos", None, "configs/models").model.visual
+    table = visual.positional_embedding
+    # Not a parameter the optimiser moves; one row for the class token (zeros) and one per patch of the 4 x 4 grid.
+    assert not table.requires_grad
+    assert table.shape == (1 + 4 * 4, 128)
+    assert torch.count_nonzero(table[0]) == 0
+    assert len({tuple(row.tolist()) for row in table[1:]}) == 16

@@ -8,6 +8,7 @@ import random
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from PIL import Image
 
 from datamodules.shapes import (
     BACKGROUND,
+    CAPTION_RELATIONS,
     COLORS,
     RELATION_WORDINGS,
     RELATIONS,
@@ -46,12 +48,19 @@ IMAGE_SIZE = 48
 CAPTIONS_PER_IMAGE = 2
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+# Every test of a world runs on both caption styles: relations stated either way, and one way only.
+@pytest.fixture(scope="module", params=sorted(CAPTION_RELATIONS))
+def dataset(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("shapes")
     generate(root, N_IMAGES["train"], N_IMAGES["val"], image_size=IMAGE_SIZE, seed=3,
-             captions_per_image=CAPTIONS_PER_IMAGE, n_test=N_IMAGES["test"], n_test_unseen=N_IMAGES["test_unseen"])
+             captions_per_image=CAPTIONS_PER_IMAGE, n_test=N_IMAGES["test"], n_test_unseen=N_IMAGES["test_unseen"],
+             relations=request.param)
     return root
+
+
+def _stated_relations(root: Path) -> tuple[str, ...]:
+    """The relations the world's captions may state, from the style its caption files record."""
+    return CAPTION_RELATIONS[_annotations(root, "captions_train.json")["info"]["relations"]]
 
 
 def _annotations(root: Path, name: str) -> dict:
@@ -210,6 +219,8 @@ def test_invalid_arguments_are_rejected(tmp_path: Path) -> None:
         generate(tmp_path, 2, 2, captions_per_image=0)
     with pytest.raises(ValueError, match="non-negative"):
         generate(tmp_path, 2, 2, n_test_unseen=-1)
+    with pytest.raises(ValueError, match="relations must be one of"):
+        generate(tmp_path, 2, 2, relations="converse")
 
 
 # ---------------------------------------------------------------- semantics
@@ -278,6 +289,29 @@ def test_checker_on_hand_made_scene() -> None:
     assert not holds(scene, Caption("single", Description("blue", "square")))
 
 
+class _RefusingExchangedRoles:
+    """A split rule that refuses any negative whose subject is `obj`: the relation flip's first candidate."""
+
+    def __init__(self, obj: Description) -> None:
+        self.obj = obj
+
+    def allows_negative(self, candidate: Caption) -> bool:
+        return candidate.subject != self.obj
+
+
+def test_relation_flip_never_states_a_relation_the_world_does_not() -> None:
+    scene = _scene(("large", "red", "square", (2, 2, 24, 24)), ("large", "blue", "circle", (40, 40, 62, 62)))
+    caption = Caption("plain", Description("red", "square"), "above", Description("blue", "circle"))
+    rule = _RefusingExchangedRoles(caption.obj)
+    # Stated either way, the flip's next candidate is the converse relation ...
+    both = hard_negatives(random.Random(0), scene, caption, rule, CAPTION_RELATIONS["both"])
+    assert both[1] == replace(caption, relation="below")
+    # ... which a one-way world never states: its next candidate, an absent colour, is taken instead.
+    one_way = hard_negatives(random.Random(0), scene, caption, rule, CAPTION_RELATIONS["one-way"])
+    assert one_way[1].relation == "above" and one_way[1].subject.color not in {"red", "blue"}
+    assert not any(holds(scene, negative) for negative in both + one_way)
+
+
 def test_negatives_fall_back_when_a_swap_is_still_true() -> None:
     # Both objects red: swapping colours gives the caption back, which must not be used as a negative.
     scene = _scene(("large", "red", "square", (2, 2, 24, 24)), ("large", "red", "circle", (40, 40, 62, 62)))
@@ -319,10 +353,25 @@ def test_captions_use_varied_templates(dataset: Path) -> None:
     assert len(templates) >= 8, templates
     words = collections.Counter(word for caption in captions for word in caption.split())
     assert all(words[size] > 0 for size in SIZES)
-    assert all(words[relation_word] > 0 for relation_word in ("left", "right", "above", "below"))
+    stated = {structure["relation"] for image in load_scene_graphs(dataset, "train")
+              for structure in (caption["structure"] for caption in image["captions"])} - {None}
+    assert stated == set(_stated_relations(dataset))
     assert any(" to the left of " in caption for caption in captions)
     assert any(re.search(r"(?<!the) left of ", caption) for caption in captions)
     assert any(not set(caption.split()) & set(SIZES) for caption in captions), "size is sometimes omitted"
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_captions_negatives_and_swap_items_state_only_the_worlds_relations(dataset: Path, split: str) -> None:
+    # A negative stating a relation that no true caption states would be false by its wording alone.
+    allowed = set(_stated_relations(dataset)) | {None}
+    for image in load_scene_graphs(dataset, split):
+        for caption in image["captions"]:
+            assert {s["relation"] for s in [caption["structure"], *caption["neg_structures"]]} <= allowed
+    assert {s["relation"] for item in load_swap_items(dataset, split) for s in item["structures"]} <= allowed
+    if allowed == {None, "left of", "above"}:
+        texts = [a["caption"] for a in _annotations(dataset, f"captions_{split}.json")["annotations"]]
+        assert not any(word in text.split() for text in texts for word in ("right", "below", "under", "beneath"))
 
 
 @pytest.mark.parametrize("split", SPLITS)
@@ -394,7 +443,7 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     command = [sys.executable, "-m", "datamodules.shapes", "--out", str(out), "--n-train", "4", "--n-val", "2",
                "--image-size", "32", "--seed", "5", "--captions-per-image", "3", "--n-swap", "3", "--n-test", "1",
-               "--n-test-unseen", "2"]
+               "--n-test-unseen", "2", "--relations", "one-way"]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {
@@ -406,5 +455,6 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     assert len(list((out / "images" / "train").glob("*.png"))) == 4
     assert len(list((out / "images" / "test_unseen").glob("*.png"))) == 2
     assert len(_annotations(out, "captions_train.json")["annotations"]) == 12
+    assert _annotations(out, "captions_train.json")["info"]["relations"] == "one-way"
     assert len(list((out / "images" / "swap_val").glob("*.png"))) == 6
     assert len(load_swap_items(out, "val")) == 3

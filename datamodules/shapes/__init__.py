@@ -18,6 +18,9 @@ relation between two objects of a held-out pair. `annotations/heldout.json` reco
 (seed 0) holds out: combinations blue square, orange triangle, purple circle, yellow diamond; colour pairs
 green+yellow, purple+red.
 
+Captions state a relation either way ("X left of Y" or "Y right of X", `--relations both`, the default) or one
+way only (`--relations one-way`: "left of" and "above"; `CAPTION_RELATIONS` says why the choice matters).
+
 Same arguments give byte-identical files: every random choice comes from a `random.Random` seeded by
 (seed, split, stream), and no file holds a timestamp.
 
@@ -38,6 +41,7 @@ Modules, each one job (each imports only modules above it in this list):
 Usage:
     python -m datamodules.shapes --out data/shapes --n-train 4000 --n-val 500 --image-size 64 --seed 0 \
         [--n-test N] [--n-test-unseen N]   # both default to --n-val
+        [--relations one-way]              # captions state "left of" and "above" only (default: both ways)
 """
 
 from datamodules.shapes.files import (
@@ -59,7 +63,9 @@ from datamodules.shapes.world import (
     ATTRIBUTE_TRIPLES,
     BACKGROUND,
     CAPTION_ATTEMPTS,
+    CAPTION_RELATIONS,
     COLORS,
+    DEFAULT_CAPTION_RELATIONS,
     DISTRACTOR_RATE,
     HELDOUT_COLOR_PAIRS,
     MIN_IMAGE_SIZE,
@@ -92,7 +98,8 @@ from datamodules.shapes.world import (
 )
 
 __all__ = [
-    "ANY_SCENE", "ATTRIBUTE_TRIPLES", "BACKGROUND", "CAPTION_ATTEMPTS", "COLORS", "DISTRACTOR_RATE",
+    "ANY_SCENE", "ATTRIBUTE_TRIPLES", "BACKGROUND", "CAPTION_ATTEMPTS", "CAPTION_RELATIONS", "COLORS",
+    "DEFAULT_CAPTION_RELATIONS", "DISTRACTOR_RATE",
     "HELDOUT_COLOR_PAIRS", "MIN_IMAGE_SIZE", "OBJECT_GAP", "OPPOSITE_RELATION", "OPTIONAL_SIZE_RATE",
     "PAIR_NEGATIVE_KINDS", "PAIR_TEMPLATES", "PLACEMENT_ATTEMPTS", "RELATION_MARGIN", "RELATION_WORDINGS",
     "RELATIONS", "SHAPES", "SINGLE_CAPTION_RATE", "SINGLE_NEGATIVE_KINDS", "SINGLE_TEMPLATES", "SIZES", "SPLITS",

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from datamodules.shapes.files import generate
+from datamodules.shapes.world import CAPTION_RELATIONS, DEFAULT_CAPTION_RELATIONS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,9 +23,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-test", type=int, default=None, help="in-distribution test images (default: n-val)")
     parser.add_argument("--n-test-unseen", type=int, default=None,
                         help="test images of held-out combinations and colour pairs (default: n-val)")
+    parser.add_argument("--relations", choices=sorted(CAPTION_RELATIONS), default=DEFAULT_CAPTION_RELATIONS,
+                        help='the relations captions state: "both" either way ("X left of Y", "Y right of X"), '
+                             '"one-way" only "left of" and "above"')
     args = parser.parse_args(argv)
     counts = generate(args.out, args.n_train, args.n_val, args.image_size, args.seed,
-                      args.captions_per_image, args.n_swap, args.n_test, args.n_test_unseen)
+                      args.captions_per_image, args.n_swap, args.n_test, args.n_test_unseen, args.relations)
     print(json.dumps(counts, sort_keys=True))
 
 

@@ -22,7 +22,8 @@ from datamodules.shapes.records import caption_to_dict, scene_to_dict
 from datamodules.shapes.render import caption_phrases, draw_scene
 from datamodules.shapes.scenes import sample_example
 from datamodules.shapes.swap import sample_swap_pair
-from datamodules.shapes.world import MIN_IMAGE_SIZE, SWAP_TYPES, UNSEEN_SPLIT, ImageExample, Scene, scene_relations
+from datamodules.shapes.world import (CAPTION_RELATIONS, DEFAULT_CAPTION_RELATIONS, MIN_IMAGE_SIZE, SWAP_TYPES,
+                                      UNSEEN_SPLIT, ImageExample, Scene, scene_relations)
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
     atomic_write_bytes(path, json.dumps(payload, sort_keys=True).encode("utf-8"))
@@ -47,13 +48,15 @@ def _caption_id(example: ImageExample, index: int) -> int:
     return (example.image_id - 1) * len(example.captions) + index + 1
 
 
-def _coco_captions(split: str, seed: int, image_size: int, examples: list[ImageExample]) -> dict[str, Any]:
+def _coco_captions(split: str, seed: int, image_size: int, relations: str, examples: list[ImageExample]
+                   ) -> dict[str, Any]:
     info = {
         "description": "shapes world synthetic captions",
         "version": "1.0",
         "split": split,
         "seed": seed,
         "image_size": image_size,
+        "relations": relations,
     }
     images = [
         {"id": ex.image_id, "file_name": _image_file_name(ex.image_id), "width": image_size,
@@ -86,7 +89,7 @@ def _scene_graph_record(example: ImageExample) -> dict[str, Any]:
 
 
 def write_caption_split(root: Path, split: str, n_images: int, image_size: int, seed: int,
-                        captions_per_image: int) -> None:
+                        captions_per_image: int, relations: str = DEFAULT_CAPTION_RELATIONS) -> None:
     """Write one split's images, COCO captions and scene graphs.
 
     Args:
@@ -96,6 +99,7 @@ def write_caption_split(root: Path, split: str, n_images: int, image_size: int, 
         image_size: Image side in pixels.
         seed: Base seed.
         captions_per_image: Captions per image.
+        relations: A key of `CAPTION_RELATIONS`: the relations captions and hard negatives state.
     """
     rule = split_rule(seed, split)
     rng = _split_rng(seed, split, "captions")
@@ -103,20 +107,21 @@ def write_caption_split(root: Path, split: str, n_images: int, image_size: int, 
     image_dir.mkdir(parents=True, exist_ok=True)
     examples = []
     for image_id in range(1, n_images + 1):
-        example = sample_example(rng, image_id, image_size, captions_per_image, rule)
+        example = sample_example(rng, image_id, image_size, captions_per_image, rule, CAPTION_RELATIONS[relations])
         _write_png(image_dir / _image_file_name(image_id), example.scene)
         examples.append(example)
     # Annotations are written after the images, so their presence means the split is complete.
     annotation_dir = root / "annotations"
-    _write_json(annotation_dir / f"captions_{split}.json", _coco_captions(split, seed, image_size, examples))
+    _write_json(annotation_dir / f"captions_{split}.json", _coco_captions(split, seed, image_size, relations, examples))
     scene_graphs = {"images": [_scene_graph_record(example) for example in examples]}
     _write_json(annotation_dir / f"scene_graphs_{split}.json", scene_graphs)
 
 
 def _swap_item(
-    root: Path, split: str, item_id: int, swap_type: str, rng: random.Random, image_size: int, rule: SplitRule
+    root: Path, split: str, item_id: int, swap_type: str, rng: random.Random, image_size: int, rule: SplitRule,
+    relations: tuple[str, ...],
 ) -> dict[str, Any]:
-    scenes, captions = sample_swap_pair(rng, image_size, swap_type, rule)
+    scenes, captions = sample_swap_pair(rng, image_size, swap_type, rule, relations)
     image_paths = [f"images/swap_{split}/{item_id:06d}_{index}.png" for index in (0, 1)]
     for path, scene in zip(image_paths, scenes):
         _write_png(root / path, scene)
@@ -130,7 +135,8 @@ def _swap_item(
     }
 
 
-def write_swap_split(root: Path, split: str, n_items: int, image_size: int, seed: int) -> None:
+def write_swap_split(root: Path, split: str, n_items: int, image_size: int, seed: int,
+                     relations: str = DEFAULT_CAPTION_RELATIONS) -> None:
     """Write one split's swap benchmark: image pairs and `annotations/swap_<split>.json`.
 
     Args:
@@ -139,12 +145,14 @@ def write_swap_split(root: Path, split: str, n_items: int, image_size: int, seed
         n_items: Number of items; types go round robin so they stay balanced.
         image_size: Image side in pixels.
         seed: Base seed.
+        relations: A key of `CAPTION_RELATIONS`: the relations the captions state.
     """
     rule = split_rule(seed, split)
     rng = _split_rng(seed, split, "swap")
     (root / "images" / f"swap_{split}").mkdir(parents=True, exist_ok=True)
     items = [
-        _swap_item(root, split, item_id, SWAP_TYPES[(item_id - 1) % len(SWAP_TYPES)], rng, image_size, rule)
+        _swap_item(root, split, item_id, SWAP_TYPES[(item_id - 1) % len(SWAP_TYPES)], rng, image_size, rule,
+                   CAPTION_RELATIONS[relations])
         for item_id in range(1, n_items + 1)
     ]
     _write_json(root / "annotations" / f"swap_{split}.json", {"items": items})
@@ -156,7 +164,7 @@ def default_n_swap(split: str, n_images: int) -> int:
 
 
 def _check_arguments(
-    n_images: dict[str, int], image_size: int, captions_per_image: int, n_swap: int | None
+    n_images: dict[str, int], image_size: int, captions_per_image: int, n_swap: int | None, relations: str
 ) -> None:
     if min(n_images.values()) < 0 or (n_swap is not None and n_swap < 0):
         raise ValueError("the numbers of images and n_swap must be non-negative")
@@ -164,11 +172,14 @@ def _check_arguments(
         raise ValueError(f"image_size must be at least {MIN_IMAGE_SIZE}, got {image_size}")
     if captions_per_image < 1:
         raise ValueError(f"captions_per_image must be at least 1, got {captions_per_image}")
+    if relations not in CAPTION_RELATIONS:
+        raise ValueError(f"relations must be one of {sorted(CAPTION_RELATIONS)}, got {relations!r}")
 
 
 def generate(out_dir: str | os.PathLike, n_train: int, n_val: int, image_size: int = 64, seed: int = 0,
              captions_per_image: int = 2, n_swap: int | None = None, n_test: int | None = None,
-             n_test_unseen: int | None = None) -> dict[str, dict[str, int]]:
+             n_test_unseen: int | None = None, relations: str = DEFAULT_CAPTION_RELATIONS
+             ) -> dict[str, dict[str, int]]:
     """Generate the shapes world under `out_dir`; the same arguments give byte-identical files.
 
     Args:
@@ -181,23 +192,26 @@ def generate(out_dir: str | os.PathLike, n_train: int, n_val: int, image_size: i
         n_swap: Swap items per split; default `default_n_swap`.
         n_test: Number of in-distribution test images; default `n_val`.
         n_test_unseen: Number of test images showing held-out combinations or pairs; default `n_val`.
+        relations: A key of `CAPTION_RELATIONS`: "both" states a pair either way ("X left of Y", "Y right of X"),
+            "one-way" only as "left of" and "above".
 
     Returns:
         Counts per split of `SPLITS`: {"train": {"images", "captions", "swap_items"}, "val": {...}, ...}.
 
     Raises:
-        ValueError: On a negative count, too small an image or fewer than one caption per image.
+        ValueError: On a negative count, too small an image, fewer than one caption per image or unknown
+            relations.
     """
     n_images = {"train": n_train, "val": n_val, "test": n_val if n_test is None else n_test,
                 UNSEEN_SPLIT: n_val if n_test_unseen is None else n_test_unseen}
-    _check_arguments(n_images, image_size, captions_per_image, n_swap)
+    _check_arguments(n_images, image_size, captions_per_image, n_swap, relations)
     root = Path(out_dir)
     (root / "annotations").mkdir(parents=True, exist_ok=True)
     counts = {}
     for split, n in n_images.items():
         n_items = default_n_swap(split, n) if n_swap is None else n_swap
-        write_caption_split(root, split, n, image_size, seed, captions_per_image)
-        write_swap_split(root, split, n_items, image_size, seed)
+        write_caption_split(root, split, n, image_size, seed, captions_per_image, relations)
+        write_swap_split(root, split, n_items, image_size, seed, relations)
         counts[split] = {"images": n, "captions": n * captions_per_image, "swap_items": n_items}
     _write_json(root / "annotations" / "heldout.json", {"seed": seed, **heldout_to_dict(choose_heldout(seed))})
     return counts

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 from datamodules.shapes.heldout import ANY_SCENE, SplitRule
-from datamodules.shapes.world import COLORS, OPPOSITE_RELATION, SHAPES, SIZES, Caption, Scene, holds
+from datamodules.shapes.world import COLORS, OPPOSITE_RELATION, RELATIONS, SHAPES, SIZES, Caption, Scene, holds
 
 
 # Each generator yields candidate negatives, hardest first, and ends with one that names a colour or
@@ -114,16 +114,19 @@ def _absent_attributes(rng: random.Random, scene: Scene, caption: Caption) -> It
                 yield replace(caption, **{role: replace(getattr(caption, role), **{field: value})})
 
 
-def _first_false(scene: Scene, candidates: Iterator[Caption], taken: set[str], rule: SplitRule) -> Caption:
-    """The first candidate that is false of the scene, new among the negatives taken and allowed by `rule`."""
+def _first_false(scene: Scene, candidates: Iterator[Caption], taken: set[str], rule: SplitRule,
+                 relations: tuple[str, ...]) -> Caption:
+    """The first candidate that is false of the scene, new among the negatives taken, allowed by `rule` and stating
+    one of `relations` (a relation that no true caption states would make its negatives false by their wording)."""
     for candidate in candidates:
-        if candidate.text not in taken and not holds(scene, candidate) and rule.allows_negative(candidate):
+        stated = candidate.relation is None or candidate.relation in relations
+        if stated and candidate.text not in taken and not holds(scene, candidate) and rule.allows_negative(candidate):
             return candidate
     raise RuntimeError(f"no allowed false candidate left for a negative in {scene}")
 
 
-def hard_negatives(rng: random.Random, scene: Scene, caption: Caption, rule: SplitRule = ANY_SCENE
-                   ) -> tuple[Caption, ...]:
+def hard_negatives(rng: random.Random, scene: Scene, caption: Caption, rule: SplitRule = ANY_SCENE,
+                   relations: tuple[str, ...] = RELATIONS) -> tuple[Caption, ...]:
     """Three captions false of `scene`: attribute swap, relation flip, object swap of `caption`.
 
     Args:
@@ -131,6 +134,7 @@ def hard_negatives(rng: random.Random, scene: Scene, caption: Caption, rule: Spl
         scene: The scene `caption` is true of.
         caption: A true structured caption.
         rule: The split's rule; a candidate it does not allow is passed over for the next false one.
+        relations: The relations the world's captions state; a candidate stating another is passed over too.
 
     Returns:
         Three different negatives, each checked to be false of the scene.
@@ -140,5 +144,5 @@ def hard_negatives(rng: random.Random, scene: Scene, caption: Caption, rule: Spl
     for kind in kinds:
         taken = {negative.text for negative in negatives}
         candidates = itertools.chain(kind(rng, scene, caption), _absent_attributes(rng, scene, caption))
-        negatives.append(_first_false(scene, candidates, taken, rule))
+        negatives.append(_first_false(scene, candidates, taken, rule, relations))
     return tuple(negatives)

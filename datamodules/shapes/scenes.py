@@ -15,6 +15,7 @@ from datamodules.shapes.world import (
     PAIR_TEMPLATES,
     PLACEMENT_ATTEMPTS,
     RELATION_WORDINGS,
+    RELATIONS,
     SINGLE_CAPTION_RATE,
     SINGLE_TEMPLATES,
     SIZES,
@@ -117,12 +118,13 @@ def _sampled_description(rng: random.Random, scene: Scene, target: SceneObject) 
     return describe(target, with_size)
 
 
-def sample_caption(rng: random.Random, scene: Scene) -> Caption:
+def sample_caption(rng: random.Random, scene: Scene, relations: tuple[str, ...] = RELATIONS) -> Caption:
     """Sample a caption about `scene`: usually a relation between two objects, sometimes one object.
 
     Args:
         rng: Source of randomness.
         scene: The scene to describe.
+        relations: The relations a caption may state (`CAPTION_RELATIONS`).
 
     Returns:
         A structured caption that is true of the scene.
@@ -130,8 +132,10 @@ def sample_caption(rng: random.Random, scene: Scene) -> Caption:
     if rng.random() < SINGLE_CAPTION_RATE:
         target = rng.choice(scene.objects)
         return Caption(rng.choice(list(SINGLE_TEMPLATES)), _sampled_description(rng, scene, target))
-    # The relation list holds both directions, so a pair is stated as "X left of Y" or "Y right of X".
-    subject, relation, obj = rng.choice(scene_relations(scene))
+    # The relation list holds both directions, so a pair is stated as "X left of Y" or "Y right of X" when both
+    # relations are allowed, and as "X left of Y" alone when only "left of" is.
+    stated = [triple for triple in scene_relations(scene) if triple[1] in relations]
+    subject, relation, obj = rng.choice(stated)
     return Caption(
         template=rng.choice(list(PAIR_TEMPLATES)),
         subject=_sampled_description(rng, scene, subject),
@@ -141,8 +145,8 @@ def sample_caption(rng: random.Random, scene: Scene) -> Caption:
     )
 
 
-def sample_captions(rng: random.Random, scene: Scene, count: int, rule: SplitRule = ANY_SCENE
-                    ) -> tuple[Caption, ...]:
+def sample_captions(rng: random.Random, scene: Scene, count: int, rule: SplitRule = ANY_SCENE,
+                    relations: tuple[str, ...] = RELATIONS) -> tuple[Caption, ...]:
     """Sample `count` captions with different texts, each checked to be true of `scene` and allowed by `rule`.
 
     Args:
@@ -150,6 +154,7 @@ def sample_captions(rng: random.Random, scene: Scene, count: int, rule: SplitRul
         scene: The scene to describe.
         count: Number of captions.
         rule: The split's rule (the unseen split's captions each name a held-out combination or pair).
+        relations: The relations a caption may state.
 
     Returns:
         The captions.
@@ -159,7 +164,7 @@ def sample_captions(rng: random.Random, scene: Scene, count: int, rule: SplitRul
     """
     captions: dict[str, Caption] = {}
     for _ in range(CAPTION_ATTEMPTS * count):
-        caption = sample_caption(rng, scene)
+        caption = sample_caption(rng, scene, relations)
         if caption.text not in captions and holds(scene, caption) and rule.allows_caption(caption):
             captions[caption.text] = caption
         if len(captions) == count:
@@ -168,7 +173,8 @@ def sample_captions(rng: random.Random, scene: Scene, count: int, rule: SplitRul
 
 
 def sample_example(
-    rng: random.Random, image_id: int, image_size: int, captions_per_image: int, rule: SplitRule = ANY_SCENE
+    rng: random.Random, image_id: int, image_size: int, captions_per_image: int, rule: SplitRule = ANY_SCENE,
+    relations: tuple[str, ...] = RELATIONS,
 ) -> ImageExample:
     """Sample one image's scene, captions and hard negatives.
 
@@ -178,11 +184,12 @@ def sample_example(
         image_size: Image side in pixels.
         captions_per_image: Number of different captions.
         rule: The split's rule about held-out combinations and colour pairs.
+        relations: The relations its captions and their hard negatives may state.
 
     Returns:
         The example.
     """
     scene = sample_scene(rng, image_size, rule)
-    captions = sample_captions(rng, scene, captions_per_image, rule)
-    negatives = tuple(hard_negatives(rng, scene, caption, rule) for caption in captions)
+    captions = sample_captions(rng, scene, captions_per_image, rule, relations)
+    negatives = tuple(hard_negatives(rng, scene, caption, rule, relations) for caption in captions)
     return ImageExample(image_id, scene, captions, negatives)

@@ -35,15 +35,30 @@ def _sample_swap_scene(rng: random.Random, image_size: int) -> Scene | None:
     return place(rng, image_size, triples)
 
 
-def _swap_base_caption(rng: random.Random, scene: Scene) -> Caption:
+def _stated_relations(scene: Scene, relations: tuple[str, ...]) -> list[str]:
+    """The relations of `relations` that the first object stands in to the second."""
     first, second = scene.objects[:2]
-    relations = [r for r in RELATIONS if relation_holds(first, r, second, scene.image_size)]
+    return [r for r in relations if relation_holds(first, r, second, scene.image_size)]
+
+
+def _stated_order(scene: Scene, relations: tuple[str, ...]) -> Scene | None:
+    """`scene` with its first two objects in an order that one of `relations` states ("left of" alone cannot say
+    that the first object is right of the second), or None when neither order has one."""
+    if _stated_relations(scene, relations):
+        return scene
+    first, second = scene.objects[:2]
+    exchanged = _swap_first_two(scene, second, first)
+    return exchanged if _stated_relations(exchanged, relations) else None
+
+
+def _swap_base_caption(rng: random.Random, scene: Scene, relations: tuple[str, ...]) -> Caption:
+    first, second = scene.objects[:2]
     # Both descriptions carry a size or neither does, so the swapped caption has the same words.
     with_size = needs_size(scene, first) or needs_size(scene, second) or rng.random() < OPTIONAL_SIZE_RATE
     return Caption(
         template=rng.choice(list(PAIR_TEMPLATES)),
         subject=describe(first, with_size),
-        relation=rng.choice(relations),
+        relation=rng.choice(_stated_relations(scene, relations)),
         obj=describe(second, with_size),
         wording=rng.randrange(max(map(len, RELATION_WORDINGS.values()))),
     )
@@ -93,7 +108,8 @@ def _is_valid_swap(scenes: tuple[Scene, Scene], captions: tuple[Caption, Caption
 
 
 def sample_swap_pair(
-    rng: random.Random, image_size: int, swap_type: str, rule: SplitRule = ANY_SCENE
+    rng: random.Random, image_size: int, swap_type: str, rule: SplitRule = ANY_SCENE,
+    relations: tuple[str, ...] = RELATIONS,
 ) -> tuple[tuple[Scene, Scene], tuple[Caption, Caption]]:
     """Sample two scenes and two captions that differ only by a swap of `swap_type`.
 
@@ -103,15 +119,18 @@ def sample_swap_pair(
         swap_type: One of `SWAP_TYPES`: swap colours, positions or shapes of the first two objects.
         rule: The split's rule. An in-distribution split shows no held-out combination or pair in either
             image (a colour or shape swap can create one); in the unseen split one caption at least names one.
+        relations: The relations the captions may state.
 
     Returns:
         (scene 0, scene 1) and (caption 0, caption 1), caption i true of scene i only.
     """
     while True:
         scene = _sample_swap_scene(rng, image_size)
+        if scene is not None:
+            scene = _stated_order(scene, relations)
         if scene is None:
             continue
-        caption = _swap_base_caption(rng, scene)
+        caption = _swap_base_caption(rng, scene, relations)
         swapped_scene, swapped_caption = SWAPPERS[swap_type](scene, caption)
         scenes, captions = (scene, swapped_scene), (caption, swapped_caption)
         if _is_valid_swap(scenes, captions) and rule.allows_swap(scenes, captions):
