@@ -23,6 +23,11 @@ or `--jobs N` at a time (each with cpus // N threads), with a progress line per 
 `<run>/sweep.log`, a run whose export already exists skipped (so running the sweep again resumes it), and a failed
 run reported at the end (exit status 1) without stopping the others.
 
+`--only AXIS=LABEL` (repeatable) runs part of the grid: a run is kept when, for every axis named, its label is
+one of those given (`--only method=clip_ft --only negatives=with --only negatives=without`). sweep.json still
+lists the whole grid, so task indices, run directories and the study report are those of the full sweep: the
+full sweep run later skips what the part finished, and the report lists the runs not yet run as missing.
+
 An optional `study:` mapping (settings of the study report, `python -m lightning_modules.study`, which validates
 it) is copied into sweep.json unchanged.
 """
@@ -155,11 +160,40 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "-", text).strip("-")
 
 
-def sbatch_script(sweep: Sweep, sweep_file: Path) -> str:
-    """The array-job script: one task per run, one srun task per GPU (or one on CPU nodes)."""
+def parse_only(sweep: Sweep, items: Sequence[str]) -> Dict[str, set]:
+    """`--only` items as {axis: {"axis-label", ...}}; an axis or label the grid lacks is a typo, named here."""
+    labels: Dict[str, set] = {}
+    for run in sweep.runs:
+        for axis, label in run.choices.items():
+            labels.setdefault(axis, set()).add(label)
+    only: Dict[str, set] = {}
+    for item in items:
+        axis, _, label = item.partition("=")
+        if f"{axis}-{label}" not in labels.get(axis, set()):
+            valid = {key: sorted(value.split("-", 1)[1] for value in values) for key, values in labels.items()}
+            raise SweepError(f"--only {item}: the grid has no such axis=label (axes and labels: {valid})")
+        only.setdefault(axis, set()).add(f"{axis}-{label}")
+    return only
+
+
+def selected_indices(sweep: Sweep, only: Dict[str, set]) -> List[int]:
+    """Task indices of the runs whose choice on every `only` axis is one of its labels (all runs without one)."""
+    return [index for index, run in enumerate(sweep.runs)
+            if all(run.choices.get(axis) in labels for axis, labels in only.items())]
+
+
+def array_spec(indices: Sequence[int], total: int) -> str:
+    """SLURM's --array value: the range when every task runs, else the listed indices."""
+    return f"0-{total - 1}" if list(indices) == list(range(total)) else ",".join(str(i) for i in indices)
+
+
+def sbatch_script(sweep: Sweep, sweep_file: Path, indices: Optional[Sequence[int]] = None) -> str:
+    """The array-job script: one task per run (of `indices`, default all), one srun task per GPU (or one on CPU
+    nodes)."""
     s = sweep.slurm
     tasks_per_node = max(1, int(s["gpus_per_node"] or 0))
-    array = f"0-{len(sweep.runs) - 1}" + (f"%{s['max_parallel']}" if s["max_parallel"] else "")
+    indices = range(len(sweep.runs)) if indices is None else indices
+    array = array_spec(indices, len(sweep.runs)) + (f"%{s['max_parallel']}" if s["max_parallel"] else "")
     lines = ["#!/bin/bash", f"#SBATCH --job-name={sweep.name}", f"#SBATCH --array={array}",
              f"#SBATCH --nodes={s['nodes']}", f"#SBATCH --ntasks-per-node={tasks_per_node}",
              f"#SBATCH --cpus-per-task={s['cpus_per_task']}", f"#SBATCH --time={s['time']}",
@@ -233,17 +267,19 @@ def run_one(command: List[str], log_path: Path, threads: int) -> tuple:
 
 
 def run_local(sweep: Sweep, sweep_file: Path, jobs: int = 1,
-              command: Optional[Callable[[Path, int], List[str]]] = None) -> List[str]:
-    """Every run of the sweep here, `jobs` at a time; returns the names of the runs that failed.
+              command: Optional[Callable[[Path, int], List[str]]] = None,
+              indices: Optional[Sequence[int]] = None) -> List[str]:
+    """Every run of the sweep (or those of `indices`) here, `jobs` at a time; returns the names of those that failed.
 
     A run whose export is complete is skipped (a second call resumes an interrupted sweep: fit itself resumes
     a run that has checkpoints but no export). `command` builds a run's command line (tests swap in trivial
     ones). A progress line is printed as each run finishes, in the order they finish.
     """
     command = command or task_command
-    total, threads = len(sweep.runs), local_threads(jobs)
+    indices = range(len(sweep.runs)) if indices is None else indices
+    total, threads = len(indices), local_threads(jobs)
     pending, finished, failed = [], 0, []
-    for index, run in enumerate(sweep.runs):
+    for index, run in ((index, sweep.runs[index]) for index in indices):
         if export_complete(sweep.directory / run.name):
             finished += 1
             print(f"[{finished}/{total}] {run.name} skipped: its export exists", flush=True)
@@ -272,6 +308,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--local", action="store_true", help="run every combination here (see --jobs)")
     parser.add_argument("--jobs", type=int, default=1, help="with --local: runs at once (default 1), each with "
                         "max(1, cpus // jobs) threads")
+    parser.add_argument("--only", action="append", default=[], metavar="AXIS=LABEL",
+                        help="run only the grid's runs with this label on this axis (repeatable; see below)")
     parser.add_argument("--task", nargs=2, metavar=("SWEEP_JSON", "INDEX"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -287,22 +325,26 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
         raise SystemExit(f"--jobs {args.jobs}: needs --local and a positive number")
     try:
         sweep = load_sweep(args.sweep)
+        indices = selected_indices(sweep, parse_only(sweep, args.only))
+        if not indices:
+            raise SweepError(f"--only {' '.join(args.only)} selects none of the {len(sweep.runs)} runs")
     except SweepError as err:
         raise SystemExit(f"sweep error: {err}") from None
     if args.dry_run:
-        print(sbatch_script(sweep, sweep.directory / SWEEP_FILE))
-        for index, run in enumerate(sweep.runs):
+        print(sbatch_script(sweep, sweep.directory / SWEEP_FILE, indices))
+        for index in indices:
+            run = sweep.runs[index]
             print(f"# task {index}: {sweep.directory / run.name}  {' '.join(run.fit_args(str(sweep.directory)))}")
         return None
     sweep_file = write_sweep_file(sweep)
     if args.local:
-        failed = run_local(sweep, sweep_file, args.jobs)
+        failed = run_local(sweep, sweep_file, args.jobs, indices=indices)
         if failed:
-            raise SystemExit(f"{len(failed)} of {len(sweep.runs)} runs failed (logs: <run>/{RUN_LOG}): "
+            raise SystemExit(f"{len(failed)} of {len(indices)} runs failed (logs: <run>/{RUN_LOG}): "
                              + ", ".join(failed))
         return None
-    job_id = submit(sbatch_script(sweep, sweep_file))
-    print(f"submitted array job {job_id}: {len(sweep.runs)} runs under {sweep.directory}; "
+    job_id = submit(sbatch_script(sweep, sweep_file, indices))
+    print(f"submitted array job {job_id}: {len(indices)} runs under {sweep.directory}; "
           f"tensorboard --logdir {sweep.directory}")
     return job_id
 

@@ -86,3 +86,32 @@ def test_the_default_data_is_karpathys_split():
     data = load_config([]).data
     assert data.train_annotations.endswith("dataset_coco.json") and list(data.train_karpathy_splits) == [
         "train", "restval"]
+
+
+SWEEPS = sorted((REPO_ROOT / "configs" / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_every_run_of_every_shipped_sweep_validates(path, monkeypatch):
+    # A sweep's config paths and overrides are relative to the repository root, as `make study` runs them.
+    from slurm.sweep import load_sweep
+    monkeypatch.chdir(REPO_ROOT)
+    sweep = load_sweep(path)
+    assert sweep.runs
+    for run in sweep.runs:
+        cfg = load_config(run.configs, run.overrides + [f"experiment={run.name}"])
+        assert cfg.method.name in METHODS
+        register_model_configs(cfg.model.config_dir)
+        assert cfg.model.name in open_clip.list_models()
+
+
+def test_the_long_study_gives_every_fine_tuning_method_the_same_budget():
+    from slurm.sweep import load_sweep
+    runs = load_sweep(REPO_ROOT / "configs" / "sweeps" / "study_long.yaml").runs
+    budgets = {}
+    for run in runs:
+        cfg = load_config(run.configs, run.overrides)
+        if cfg.method.name not in ("tflocal", "tfglobal"):
+            budgets[run.name] = (cfg.trainer.max_steps, cfg.data.batch_size, cfg.model.pretrained, cfg.data.root)
+    assert len(budgets) == 60
+    assert set(budgets.values()) == {(600, 64, "runs/study_long/backbones/seed-0/export", "data/study_long")}

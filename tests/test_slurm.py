@@ -90,6 +90,47 @@ def test_dry_run_prints_the_array_script_and_every_run(tmp_path, capsys):
     assert len(load_sweep(path).runs) == 2
 
 
+def grid_sweep(tmp_path: Path) -> Path:
+    """A 2 x 2 x 2 grid (negatives x method x seed) with one combination excluded: 6 runs."""
+    path = tmp_path / "grid.yaml"
+    path.write_text(f"name: grid\nruns_root: {tmp_path / 'runs'}\ngrid:\n"
+                    "  negatives: {with: [a=1], without: [a=0]}\n  method: {ft: [m=ft], tfl: [m=tfl]}\n"
+                    "  seed: [0, 1]\nexclude:\n  - {negatives: without, method: tfl}\n")
+    return path
+
+
+def test_only_runs_part_of_the_grid_and_keeps_the_full_task_indices(tmp_path, capsys, monkeypatch):
+    path = grid_sweep(tmp_path)
+    ran = tmp_path / "ran.txt"
+    monkeypatch.setattr(sweep_module, "task_command", python_command(
+        f"open({str(ran)!r}, 'a').write(f'{{index}}\\n')"))
+    sweep_main([str(path), "--local", "--only", "method=ft", "--only", "seed=1"])
+    runs = load_sweep(path).runs
+    names = [runs[int(index)].name for index in ran.read_text().split()]
+    assert sorted(names) == ["negatives-with_method-ft_seed-1", "negatives-without_method-ft_seed-1"]
+    # sweep.json keeps the whole grid: the indices run are the full sweep's, so the report sees every run.
+    document = json.loads((tmp_path / "runs" / "grid" / "sweep.json").read_text())
+    assert [run["name"] for run in document["runs"]] == [run.name for run in runs] and len(runs) == 6
+    assert "[2/2]" in capsys.readouterr().out
+    # Two labels of one axis are alternatives; the dry run's array lists the selected tasks only.
+    sweep_main([str(path), "--dry-run", "--only", "negatives=with", "--only", "negatives=without",
+                "--only", "seed=0"])
+    out = capsys.readouterr().out
+    assert "#SBATCH --array=0,2,4" in out and out.count("# task ") == 3
+    sweep_main([str(path), "--dry-run"])
+    assert "#SBATCH --array=0-5" in capsys.readouterr().out
+
+
+def test_only_typos_and_empty_selections_are_refused(tmp_path):
+    path = grid_sweep(tmp_path)
+    with pytest.raises(SystemExit, match=r"--only method=clip_ft: the grid has no such axis=label.*'ft', 'tfl'"):
+        sweep_main([str(path), "--dry-run", "--only", "method=clip_ft"])
+    with pytest.raises(SystemExit, match="--only methods=ft: the grid has no such"):
+        sweep_main([str(path), "--dry-run", "--only", "methods=ft"])
+    with pytest.raises(SystemExit, match="selects none of the 6 runs"):
+        sweep_main([str(path), "--dry-run", "--only", "negatives=without", "--only", "method=tfl"])
+
+
 def test_unknown_sweep_keys_are_named(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: x\ngrids: {seed: [0]}\n")
