@@ -280,6 +280,43 @@ def test_paired_differences_equal_a_slow_reference(reported):
     assert not any(m == "frozen_cosine" for m, _ in references)
 
 
+def test_the_contrast_pairs_each_method_with_itself_in_the_other_condition(tmp_path):
+    sweep = make_sweep(tmp_path, study={"contrast": {"condition": "with", "reference": "without"}})
+    study = load_study(sweep)
+    evaluations, selections = evaluate_study(study, no_scoring, progress=lambda line: None)
+    results = write_report(study, evaluations, selections, tmp_path / "report")
+    rows = {(r["method"], r["negatives"], r["reference"], r["split"], r["metric"]): r
+            for r in read_csv(results.parent / "differences.csv")}
+    # macco's seed 2 is missing without negatives: the pairs are its seeds 0 and 1 in both conditions.
+    for method, split, metric, seeds in [("macco", "test", "group", (0, 1)), ("clip_ft", "test_unseen", "acc_relation",
+                                                                             (0, 1, 2))]:
+        mine = [per_item(stored(sweep, f"method-{method}_negatives-with_lr-0.001_seed-{s}", split), metric)
+                for s in seeds]
+        theirs = [per_item(stored(sweep, f"method-{method}_negatives-without_lr-0.001_seed-{s}", split), metric)
+                  for s in seeds]
+        expected = slow_paired_bootstrap(mine, theirs, RESAMPLES, seed=3)
+        row = rows[(method, "with", f"{method} (without)", split, metric)]
+        assert (float(row["difference"]), float(row["low"]), float(row["high"])) == pytest.approx(expected, rel=1e-9)
+        assert int(row["n_seeds"]) == len(seeds)
+    # The baseline comparisons are still there; frozen rows and the reference condition get no contrast.
+    assert ("macco", "with", "clip_ft (with)", "test", "group") in rows
+    contrasted = {(method, negatives) for method, negatives, reference, _, _ in rows
+                  if reference == f"{method} (without)"}
+    assert contrasted == {("clip_ft", "with"), ("macco", "with"), ("tflocal", "with")}
+    assert "| macco (without) |" in results.read_text()
+
+
+@pytest.mark.parametrize("contrast, message", [
+    ({"condition": "with", "reference": "none"}, r"study.contrast names conditions \['none'\]"),
+    ({"condition": "with", "reference": "with"}, "compares a condition with itself"),
+    ({"condition": "with"}, "needs condition and reference"),
+    ({"condition": "with", "reference": "without", "metric": "group"}, "unknown keys"),
+])
+def test_a_bad_contrast_is_named(tmp_path, contrast, message):
+    with pytest.raises(StudyError, match=message):
+        load_study(make_sweep(tmp_path, study={"contrast": contrast}))
+
+
 def test_item_values_average_to_the_aggregates():
     outcomes = draw_outcomes(0.6, np.random.default_rng(1))
     aggregates = ShapesSwap.aggregate(outcomes)

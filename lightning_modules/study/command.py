@@ -20,6 +20,7 @@ Settings come from the sweep file's `study:` block (copied into sweep.json), eve
         reference: frozen_cosine       # the frozen cosine (default: the one row scored by `clip`)
         methods: [tflocal, tfglobal]   # frozen-backbone methods: compared with the reference, not the baseline
       bootstrap: {resamples: 10000, seed: 0}
+      contrast: {condition: with, reference: without}   # optional: what the condition adds to each method
       validity:                        # the testbed validity table (validity.py); optional
         backbones: [runs/study/backbone, runs/study/backbone_seed1]  # run dirs or exports, one per pretraining seed
         control: {method: clip_ft, negatives: with}   # the positive control: a grid cell, at its chosen setting
@@ -38,7 +39,9 @@ What it does, in order:
 4. Summarises per method x condition x split: the mean and Student-t 95% interval over seeds of each metric
    (`stats.seed_interval`), and the paired items x seeds bootstrap (`stats.paired_bootstrap`) of
    the group score and the 2-way relation accuracy of each method against the baseline in the same condition
-   (frozen-backbone methods and the other frozen rows against the frozen reference).
+   (frozen-backbone methods and the other frozen rows against the frozen reference); with `contrast`, also of
+   each method in `contrast.condition` against the same method in `contrast.reference` (seeds paired by label:
+   what, say, the hard negatives add to each method, the baseline included).
 5. Writes `<out or sweep>/report/`: results.md, results.csv, differences.csv, scores_<split>.png,
    validation_curves.png and tb_hparams/ (`tensorboard --logdir <sweep>/report/tb_hparams`): report.py;
    with `validity`, its section in results.md (also printed), rows in results.csv and validity.json.
@@ -81,7 +84,8 @@ PAIRED_METRICS = ("group", "acc_relation")
 # The per-item fields kept in the cache (0/1), the two-by-two protocol's names (two_by_two.py).
 OUTCOME_FLAGS = ("text_i0", "text_i1", "image_c0", "image_c1", "text", "image", "group", "tie")
 
-STUDY_KEYS = ("data", "baseline", "selection", "splits", "frozen", "bootstrap", "validity")
+STUDY_KEYS = ("data", "baseline", "selection", "splits", "frozen", "bootstrap", "validity", "contrast")
+CONTRAST_KEYS = ("condition", "reference")
 SELECTION_KEYS = ("split", "metric")
 FROZEN_KEYS = ("backbone", "rows", "reference", "methods")
 BOOTSTRAP_KEYS = ("resamples", "seed")
@@ -139,6 +143,7 @@ class StudySettings:
     resamples: int = DEFAULT_RESAMPLES
     bootstrap_seed: int = 0
     validity: Optional[ValiditySettings] = None
+    contrast: Optional[Tuple[str, str]] = None  # (condition, reference condition): each method across the two
 
 
 def _mapping(value: object, where: str, keys: Sequence[str]) -> dict:
@@ -168,7 +173,8 @@ def parse_settings(study: Mapping[str, object], data: Optional[Path] = None) -> 
         selection_split=str(selection.get("split", StudySettings.selection_split)),
         selection_metric=str(selection.get("metric", StudySettings.selection_metric)), splits=tuple(splits),
         frozen=parse_frozen(study.get("frozen")), resamples=int(bootstrap.get("resamples", DEFAULT_RESAMPLES)),
-        bootstrap_seed=int(bootstrap.get("seed", 0)), validity=parse_validity(study.get("validity")))
+        bootstrap_seed=int(bootstrap.get("seed", 0)), validity=parse_validity(study.get("validity")),
+        contrast=parse_contrast(study.get("contrast")))
     check_settings(settings)
     return settings
 
@@ -196,6 +202,18 @@ def parse_frozen(frozen: object) -> Optional[FrozenRows]:
         raise StudyError(f"study.frozen.methods must be a list of method labels, got {methods!r}")
     return FrozenRows(backbone_export(Path(frozen["backbone"])), {str(k): str(v) for k, v in rows.items()},
                       str(reference), tuple(str(m) for m in methods))
+
+
+def parse_contrast(contrast: object) -> Optional[Tuple[str, str]]:
+    """study.contrast as (condition, reference condition), both required and different; None when absent."""
+    if contrast is None:
+        return None
+    contrast = _mapping(contrast, "study.contrast", CONTRAST_KEYS)
+    if any(not isinstance(contrast.get(key), str) for key in CONTRAST_KEYS):
+        raise StudyError(f"study.contrast needs condition and reference, two condition labels; got {contrast!r}")
+    if contrast["condition"] == contrast["reference"]:
+        raise StudyError(f"study.contrast compares a condition with itself: {contrast!r}")
+    return contrast["condition"], contrast["reference"]
 
 
 def parse_validity(validity: object) -> Optional[ValiditySettings]:
@@ -319,6 +337,10 @@ def check_grid(study: Study) -> None:
         taken = set(validity.names()) & set(settings.frozen.rows if settings.frozen else {})
         if taken:
             raise StudyError(f"frozen row labels {sorted(taken)} are the validity backbones' names; rename them")
+    absent = [label for label in settings.contrast or () if label not in study.conditions()]
+    if absent:
+        raise StudyError(f"study.contrast names conditions {absent} that the grid does not have; its conditions: "
+                         f"{study.conditions()}")
     if not settings.data.is_dir():
         raise StudyError(f"the world {settings.data} does not exist (study.data or --data)")
 
@@ -749,13 +771,24 @@ def reference_of(cell: Cell, settings: StudySettings, cells: Mapping[Tuple[str, 
     return (label, reference) if reference else None
 
 
+def contrast_of(cell: Cell, settings: StudySettings, cells: Mapping[Tuple[str, str, str], Cell]
+                ) -> Optional[Tuple[str, Cell]]:
+    """The same method in the contrast's reference condition, for a trained cell in its condition; else None."""
+    if settings.contrast is None or cell.frozen or cell.condition != settings.contrast[0]:
+        return None
+    reference = cells.get((cell.method, settings.contrast[1], cell.split))
+    return (f"{cell.method} ({settings.contrast[1]})", reference) if reference else None
+
+
 def comparisons(cells: Sequence[Cell], settings: StudySettings) -> List[Comparison]:
-    """Every cell against its reference (`reference_of`), for each of PAIRED_METRICS."""
+    """Every cell against its reference (`reference_of`) and, with a contrast, against itself in the contrast's
+    reference condition (`contrast_of`), for each of PAIRED_METRICS."""
     by_key = {(cell.method, cell.condition, cell.split): cell for cell in cells}
+    pairs = [(cell, reference) for cell in cells
+             for reference in (reference_of(cell, settings, by_key), contrast_of(cell, settings, by_key)) if reference]
     found = []
-    for cell in cells:
-        reference = reference_of(cell, settings, by_key)
-        for metric in PAIRED_METRICS if reference else ():
+    for cell, reference in pairs:
+        for metric in PAIRED_METRICS:
             comparison = compare(cell, reference[1], reference[0], metric, settings.resamples,
                                  settings.bootstrap_seed)
             found += [comparison] if comparison else []
