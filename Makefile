@@ -90,7 +90,7 @@ clean-study:
 	rm -rf $(STUDY) runs/study cache/study cache/study_features
 
 # The long study (README "Method study"): the same design in the testbed where relation direction is learnable
-# (one-way captions, fixed positions, 32 px), with the fine-tuning budget its positive control needs. About 3
+# (one-way captions, fixed positions, 32 px), with the fine-tuning budget its positive control needs. About 3.5
 # hours on 2 cores: meant for a cluster or a GPU. STUDY_ONLY runs part of the grid, e.g. the positive control
 # and its counterpart without negatives: `make study-long STUDY_ONLY="--only method=clip_ft"` (the report then
 # lists the other runs as missing).
