@@ -253,10 +253,18 @@ def test_ddp_on_two_processes_equals_one_process_with_the_global_batch(shapes_ro
     b = exported_state(tmp_path / "single" / "runs" / "demo_pretrain")
     # 3 AdamW steps at the warmup learning rates 1e-5, 2e-5, 3e-5 (warmup_steps 100): weights move by <= ~6e-5.
     # Per-rank sums round differently from one batch (as do 1 and 2 threads), which moves a trained weight by
-    # an ulp or so (rtol); but the attention key biases get a zero true gradient (softmax is shift invariant),
-    # so AdamW moves them on rounding noise alone: up to 4e-7 apart between runs. atol = 5% of the movement.
+    # an ulp or so (rtol; atol = 5% of the movement). The attention key biases are the exception: their true
+    # gradient is zero (softmax is shift invariant), so their gradient is rounding noise, which AdamW normalises
+    # into steps of up to about the learning rate: they agree only within what 3 such steps can move them apart
+    # (seen: 4e-7 on one machine, 4.6e-6 on another). Every other entry is held to the tight tolerance.
+    noise_bound = 2 * (1e-5 + 2e-5 + 3e-5)
     for key in a:
-        assert torch.allclose(a[key], b[key], rtol=1e-6, atol=3e-6), key
+        tight = torch.ones_like(a[key], dtype=torch.bool)
+        if key.endswith("attn.in_proj_bias"):
+            width = a[key].shape[0] // 3  # [query; key; value] biases
+            tight[width:2 * width] = False
+            assert (a[key][~tight] - b[key][~tight]).abs().max() <= noise_bound, key
+        assert torch.allclose(a[key][tight], b[key][tight], rtol=1e-6, atol=3e-6), key
 
 
 def test_fit_with_masks_from_the_preprocessing_cache(shapes_root, tmp_path):
