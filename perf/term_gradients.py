@@ -34,11 +34,10 @@ def towers_of(module) -> Dict[int, str]:
             for p in module.parameters()}
 
 
-def flat_gradients(module, loss: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """The gradient of `loss` per tower, flattened (zeros where the term does not reach), in float64."""
+def flat_gradients(module, loss: torch.Tensor, tower: Dict[int, str]) -> Dict[str, torch.Tensor]:
+    """The gradient of `loss` per tower (`towers_of`), flattened (zeros where the term does not reach), in float64."""
     params = [p for p in module.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    tower = towers_of(module)
     parts: Dict[str, List[torch.Tensor]] = {name: [] for name in TOWERS}
     for p, g in zip(params, grads):
         parts[tower[id(p)]].append((torch.zeros_like(p) if g is None else g).detach().double().flatten())
@@ -54,10 +53,14 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def term_report(module, batch: dict) -> Dict[str, Dict[str, Dict[str, float]]]:
     """Per weighted term and tower: the gradient norm and its cosine with the total gradient, for one batch."""
     terms, _ = module.compute_terms(batch)
-    per_term = {name: flat_gradients(module, value) for name, value in terms.items()}
-    total = {tower: sum(grads[tower] for grads in per_term.values()) for tower in TOWERS}
-    return {name: {tower: {"norm": float(grads[tower].norm()), "cos_total": cosine(grads[tower], total[tower])}
-                   for tower in TOWERS}
+    bad = [name for name, value in terms.items() if not torch.isfinite(value)]
+    if bad:
+        raise FloatingPointError(f"non-finite loss terms {bad} on this batch: their gradients would be meaningless")
+    tower = towers_of(module)
+    per_term = {name: flat_gradients(module, value, tower) for name, value in terms.items()}
+    total = {name: sum(grads[name] for grads in per_term.values()) for name in TOWERS}
+    return {name: {part: {"norm": float(grads[part].norm()), "cos_total": cosine(grads[part], total[part])}
+                   for part in TOWERS}
             for name, grads in per_term.items()}
 
 
@@ -102,6 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if index == args.batches:
             break
         reports.append(term_report(module, batch))
+    if not reports:
+        raise SystemExit("the training data gave no batch: check data.train_annotations and data.batch_size")
     report = mean_reports(reports)
     print(f"gradient per weighted term, mean over {len(reports)} batches of {cfg.data.batch_size}")
     print_table(report)

@@ -24,39 +24,53 @@ def macco_module_and_batch(shapes_root, mask_cache, tmp_path):
     return module, a_batch(module, cfg)
 
 
-def reference_norms(module, batch, term: str) -> dict:
-    """One term's gradient norm per tower by the obvious route: backward of that term alone into .grad, then
-    the parameters sorted by their names (visual.* image; other clip.* text but logit_scale; the rest other)."""
-    torch.manual_seed(1)  # the masks of a batch are fixed; the seed keeps any sampling in compute_terms equal
+def reference_gradients(module, batch, term: str) -> dict:
+    """One term's gradient per tower by the obvious route: backward of that term alone into .grad, then the
+    parameters sorted by their names (visual.* image; other clip.* text but logit_scale; the rest other)."""
     module.zero_grad(set_to_none=True)
     terms, _ = module.compute_terms(batch)
     terms[term].backward()
-    squares = {tower: 0.0 for tower in TOWERS}
+    parts = {tower: [] for tower in TOWERS}
     clip_names = {id(p): name for name, p in module.clip.named_parameters()}
     for p in module.parameters():
-        if p.grad is None:
-            continue
         name = clip_names.get(id(p))
         tower = ("other" if name is None or name == "logit_scale" else
                  "image" if name.startswith("visual.") else "text")
-        squares[tower] += float(p.grad.double().pow(2).sum())
+        parts[tower].append(torch.zeros_like(p).double().flatten() if p.grad is None else p.grad.double().flatten())
     module.zero_grad(set_to_none=True)
-    return {tower: value ** 0.5 for tower, value in squares.items()}
+    return {tower: torch.cat(vectors) for tower, vectors in parts.items()}
 
 
-def test_each_terms_norms_match_a_plain_backward_and_macco_stop_gradients_show(shapes_root, mask_cache, tmp_path):
+def test_each_terms_norm_and_cosine_match_a_plain_backward_and_macco_stop_gradients_show(shapes_root, mask_cache,
+                                                                                      tmp_path):
     module, batch = macco_module_and_batch(shapes_root, mask_cache, tmp_path)
-    torch.manual_seed(1)
     report = term_report(module, batch)
     assert set(report) == {"mca_loss", "mir_loss", "mlm_loss", "mim_loss"}
-    for term in report:
-        expected = reference_norms(module, batch, term)
-        for tower in TOWERS:
-            assert scaled_close(report[term][tower]["norm"], expected[tower], rtol=1e-4), (term, tower)
+    expected = {term: reference_gradients(module, batch, term) for term in report}
+    for tower in TOWERS:
+        total = sum(grads[tower] for grads in expected.values())
+        for term, grads in expected.items():
+            norm = float(grads[tower].norm())
+            assert scaled_close(report[term][tower]["norm"], norm, rtol=1e-4), (term, tower)
+            if norm > 0:
+                cos = float(grads[tower] @ total / (norm * total.norm()))
+                assert report[term][tower]["cos_total"] == pytest.approx(cos, abs=1e-4), (term, tower)
     # L_mlm and L_mim never reach the image encoder (detached keys / queries); the contrastive terms do.
     assert report["mlm_loss"]["image"]["norm"] == 0.0 and report["mim_loss"]["image"]["norm"] == 0.0
     assert report["mca_loss"]["image"]["norm"] > 0 and report["mlm_loss"]["text"]["norm"] > 0
     assert report["mim_loss"]["text"]["norm"] > 0  # its keys are the full text tokens, not detached
+    # several terms pull the text tower: none of them points exactly where the sum does
+    assert all(abs(report[term]["text"]["cos_total"]) < 0.999 for term in report)
+
+
+class NonFiniteTerms(torch.nn.Module):
+    def compute_terms(self, batch):
+        return {"itc_loss": torch.tensor(1.0), "attr_loss": torch.tensor(float("nan"))}, {}
+
+
+def test_a_non_finite_term_is_an_error_not_a_nan_in_the_table():
+    with pytest.raises(FloatingPointError, match="attr_loss"):
+        term_report(NonFiniteTerms(), {})
 
 
 def test_a_single_term_points_where_the_total_does(shapes_root, tmp_path):
