@@ -40,7 +40,14 @@ def required_entry(batch: dict, key: str) -> Tensor:
 
 
 class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN/inf objective; raised on every rank together."""
+    """Training produced a NaN/inf objective (or weights); raised on every rank together.
+
+    `step` is the first global step whose loss was not finite: the weights of that step produced it.
+    """
+
+    def __init__(self, message: str, step: Optional[int] = None):
+        super().__init__(message)
+        self.step = step
 
 
 def total_loss(terms: Terms) -> Tensor:
@@ -90,6 +97,9 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         # Long-CLIP's frozen leading text positions (None unless the context was stretched), see long_context.py.
         self.register_buffer("kept_text_positions", kept_positions)
         self._lr_logged_step = -1  # the optimizer step whose learning rates were logged last
+        # The first step whose loss was not finite (-1: none yet) and its terms, kept on the device.
+        self._first_bad_step = torch.tensor(-1)
+        self._bad_terms: Terms = {}
 
     @staticmethod
     def _build_model(model: DictConfig) -> Tuple[BuiltModel, Optional[Tensor]]:
@@ -145,7 +155,7 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         terms, report = self.compute_terms(batch)
         loss = total_loss(terms)
-        self._stop_if_not_finite(loss, terms)
+        self._watch_finite(loss, terms)
         self._log_scalars("train", {"loss": loss, **terms, **report}, batch)
         # Counts add up over ranks (the scalars above are means over ranks).
         self.log_dict(self._data_counts(batch), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="sum",
@@ -171,13 +181,56 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         """Per-batch counts of substituted bad images and truncated captions."""
         return {f"train/data/{key}": batch[key].float().sum() for key in ("bad_image", "truncated") if key in batch}
 
-    def _stop_if_not_finite(self, loss: Tensor, terms: Terms) -> None:
-        finite = bool(torch.isfinite(loss.detach()))
-        if self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+    def _watch_finite(self, loss: Tensor, terms: Terms) -> None:
+        """Remember, on the device, the first step whose objective is not finite and that batch's terms.
+
+        No host sync here: `check_finite` reads the record on logging steps and before every checkpoint or
+        export, so a diverged step is found within `log_every_n_steps` steps and never saved.
+        """
+        new = ~torch.isfinite(loss.detach()) & (self._first_bad_step < 0)
+        step = torch.tensor(self.global_step, device=new.device)
+        self._first_bad_step = torch.where(new, step, self._first_bad_step.to(new.device))
+        for name, value in terms.items():
+            kept = self._bad_terms.get(name, torch.full((), float("nan"), device=new.device))
+            self._bad_terms[name] = torch.where(new, value.detach().float(), kept)
+
+    def check_finite(self, weights: bool = False) -> None:
+        """Raise `NonFiniteLossError` on every rank when any rank has seen a non-finite objective (or, with
+        `weights`, holds a non-finite parameter). One host sync; called on logging steps and before saving."""
+        strategy = self.trainer.strategy
+        local_step = int(self._first_bad_step)
+        weights_bad = weights and not self.has_finite_weights()
+        if not strategy.reduce_boolean_decision(local_step >= 0 or weights_bad, all=False):
             return
-        values = ", ".join(f"{name}={float(value.detach()):.4g}" for name, value in terms.items())
-        raise NonFiniteLossError(f"non-finite loss at global step {self.global_step} (batch of this rank: "
-                                 f"{values}); training stopped, the last checkpoint is untouched")
+        first = torch.tensor(local_step if local_step >= 0 else 2 ** 62, device=self.device)
+        step = int(strategy.reduce(first, reduce_op="min"))
+        if step < 2 ** 62:
+            values = ", ".join(f"{name}={float(value):.4g}" for name, value in self._bad_terms.items())
+            values = values if local_step == step else "the non-finite batch was on another rank"
+            raise NonFiniteLossError(f"non-finite loss at global step {step} (batch of this rank: {values}); "
+                                     f"nothing from that step on was saved", step=step)
+        raise NonFiniteLossError(f"non-finite weights at global step {self.global_step} although every loss was "
+                                 f"finite (an overflowing update); they were not saved", step=self.global_step)
+
+    def has_finite_weights(self) -> bool:
+        return bool(torch.stack([torch.isfinite(p).all() for p in self.parameters()]).all())
+
+    def refuse_non_finite_export(self) -> None:
+        """This rank's check before an export (no collective: the end of fit may have torn the group down)."""
+        bad_step = int(self._first_bad_step)
+        if bad_step >= 0 or not self.has_finite_weights():
+            raise NonFiniteLossError(f"not exported: a loss or weight was not finite by global step "
+                                     f"{self.global_step}", step=bad_step if bad_step >= 0 else None)
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        every = self.trainer.log_every_n_steps or 1
+        if self.global_step % every == 0:
+            self.check_finite()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """No checkpoint ever holds weights that diverged (or came after a non-finite loss)."""
+        if self._trainer is not None:
+            self.check_finite(weights=True)
 
     # ----- optimisation ----------------------------------------------------------------------------------
     def head_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:

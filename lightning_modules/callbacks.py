@@ -37,9 +37,13 @@ class LastCheckpoint(L.Callback):
         self.every_n_steps = every_n_steps
         self._saved_step = -1
 
-    def _save(self, trainer: L.Trainer) -> None:
-        if trainer.sanity_checking or trainer.fast_dev_run or trainer.global_step == self._saved_step:
-            return
+    def save(self, trainer: L.Trainer) -> Optional[Path]:
+        """Write the current weights as the resume point (once per step); its path, or None in a smoke run."""
+        if trainer.sanity_checking or trainer.fast_dev_run:
+            return None
+        if trainer.global_step == self._saved_step:
+            return self.path
+        trainer.lightning_module.check_finite(weights=True)  # before the rotation: the old file stays last.ckpt
         # Keep the previous resume point (a rename, no copy): if the new file is ever damaged, resume.py falls
         # back to it.
         if trainer.is_global_zero and self.path.is_file():
@@ -47,14 +51,15 @@ class LastCheckpoint(L.Callback):
         trainer.strategy.barrier("last_checkpoint_rotation")
         trainer.save_checkpoint(self.path)
         self._saved_step = trainer.global_step
+        return self.path
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         step_due = self.every_n_steps and trainer.global_step % self.every_n_steps == 0
         if step_due or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            self._save(trainer)
+            self.save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self._save(trainer)
+        self.save(trainer)
 
 
 class SamplesPerSecond(L.Callback):
@@ -121,6 +126,7 @@ class ExportCallback(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
+        module.refuse_non_finite_export()
         extra = {"method": module.cfg.method.name, "global_step": trainer.global_step,
                  "initialised_from": module.cfg.model.pretrained}
         path = export_model(module.clip, module.model_name, self.export_dir, extra,

@@ -3,9 +3,12 @@
 The run directory `runs_root/<experiment>/` is stable: running the same command again (or a SLURM requeue)
 resumes from the run's newest intact checkpoint and continues the same TensorBoard curves (fixed logger
 version). A run directory is one experiment: a rerun with a changed config (outside the keys that are safe to
-change on resume) is refused before anything is written, and a start that fails before its first training step
-leaves no run directory behind. A run whose training set shares images with the benchmarks it scores during
-training is refused before anything is built or written (leakage.py), unless evaluation.allow_train_overlap.
+change on resume) is refused before anything is written, and so is a second process while one is training
+in it. A start that fails before its first training step leaves no run directory behind; once a step has
+trained the directory is never removed: a signal or a failure leaves a resumable checkpoint (never weights
+that produced a non-finite loss), a line in `stops.jsonl` and a non-zero exit status (stops.py). A run whose
+training set shares images with the benchmarks it scores during training is refused before anything is built
+or written (leakage.py), unless evaluation.allow_train_overlap.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import argparse
 import json
 import logging
 import shutil
+import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
@@ -22,6 +27,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from core.config import load_config_or_exit, save_config
@@ -35,8 +41,11 @@ from lightning_modules.attribution.monitor import build_attribution_monitor
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
                                         SamplesPerSecond)
+from lightning_modules.base import NonFiniteLossError
 from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, candidates, check_resume_config,
                                      checked_checkpoint, checkpoint_step, choose_resume_checkpoint, ResumeConfigError)
+from lightning_modules.stops import (STOPS_RECORD, RunDirectoryBusy, RunLock, SafeStop, StopSignals, StoppedBySignal,
+                                     requeue_slurm_job, slurm_plugins)
 
 log = logging.getLogger("lightning_modules.fit")
 
@@ -109,19 +118,50 @@ def record_resume(run_dir: Path, checkpoint: Optional[str], changes: list) -> No
         file.write(json.dumps(entry, default=str) + "\n")
 
 
+class Attempt:
+    """This start of a run: its trainer once built (how far it trained decides what a failure may remove)."""
+
+    trainer: Optional[L.Trainer] = None
+
+    @property
+    def trained(self) -> bool:
+        return self.trainer is not None and self.trainer.global_step > 0
+
+
 @contextmanager
-def removed_if_start_fails(run_dir: Path, fresh: bool) -> Iterator[None]:
+def removed_unless_trained(run_dir: Path, fresh: bool) -> Iterator[Attempt]:
     """A run directory this start creates (`fresh`: resume=false moves an old one aside) is removed again when
-    the start fails before any checkpoint exists (a missing data root, a bad option found while building): no
-    empty run for TensorBoard to list."""
+    the start fails before its first training step (a missing data root, a bad option found while building): no
+    empty run for TensorBoard to list. Once a step has trained it stays, whatever happens."""
     created = fresh or not run_dir.exists()
+    attempt = Attempt()
+    try:
+        yield attempt
+    except BaseException:
+        if (created and rank_zero_only.rank == 0 and run_dir.exists() and not attempt.trained
+                and not candidates(run_dir)):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            log.warning("the start failed before its first training step: removed the run directory %s it had "
+                        "created", run_dir)
+        raise
+
+
+@contextmanager
+def weights_from_checkpoint(resuming: bool) -> Iterator[None]:
+    """While a resumed run builds its model, hide open_clip's "Model initialized randomly" warning: the
+    weights come from the checkpoint."""
+    class RandomInitNotice(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "initialized randomly" not in record.getMessage()
+
+    notice = RandomInitNotice()
+    root = logging.getLogger()
+    if resuming:
+        root.addFilter(notice)
     try:
         yield
-    except BaseException:
-        if created and rank_zero_only.rank == 0 and run_dir.exists() and not candidates(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
-            log.warning("the start failed: removed the run directory %s it had created", run_dir)
-        raise
+    finally:
+        root.removeFilter(notice)
 
 
 def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> Optional[str]:
@@ -148,8 +188,12 @@ def has_validation(cfg: DictConfig) -> bool:
 
 def build_callbacks(cfg: DictConfig, run_dir: Path,
                     benchmarks: Optional[Dict[str, Benchmark]] = None) -> List[L.Callback]:
+    last = LastCheckpoint(run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, cfg.checkpoint.every_n_steps)
+    signals = StopSignals()
     callbacks: List[L.Callback] = [
-        LastCheckpoint(run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, cfg.checkpoint.every_n_steps),
+        SafeStop(run_dir, save=last.save, signals=signals),  # first: it must know whether a step is in progress
+        signals,
+        last,
         MidEpochStopState(),
         ExportCallback(run_dir / "export"),
         SamplesPerSecond(),
@@ -218,11 +262,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path, extra_callbacks: Sequence[L.Ca
         check_val_every_n_epoch=t.check_val_every_n_epoch, num_sanity_val_steps=t.num_sanity_val_steps,
         deterministic=t.deterministic, enable_progress_bar=t.enable_progress_bar,
         use_distributed_sampler=False,  # the datamodule builds seeded DistributedSamplers itself
-        **optional)
+        plugins=slurm_plugins(), **optional)
 
 
-def build_module(cfg: DictConfig) -> CompositionalCLIPModule:
-    return method_class(cfg.method.name)(cfg)
+def build_module(cfg: DictConfig, resuming: bool = False) -> CompositionalCLIPModule:
+    with weights_from_checkpoint(resuming):
+        return method_class(cfg.method.name)(cfg)
 
 
 def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.LightningDataModule:
@@ -267,22 +312,62 @@ def hard_negative_problems(cfg: DictConfig, method: type) -> List[str]:
     return problems
 
 
-def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
-    """Train `cfg` in its run directory, resuming when possible; return the trainer."""
+def already_finished(run_dir: Path, checkpoint: Optional[str], changes: list) -> bool:
+    """A rerun of a finished run (its export is of the resume checkpoint's step) that asks for no more training
+    (no new max_steps / max_epochs): nothing to do, so nothing is written (no empty event file, no re-export)."""
+    export = run_dir / "export" / "model.json"
+    if checkpoint is None or not export.is_file() or any(key.startswith("trainer.max_") for key, *_ in changes):
+        return False
+    return json.loads(export.read_text()).get("global_step") == checkpoint_step(Path(checkpoint))
+
+
+def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> Optional[L.Trainer]:
+    """Train `cfg` in its run directory, resuming when possible; return the trainer (None when the run had
+    already finished and there was nothing to do).
+
+    Raises `StoppedBySignal` after a stop by signal (a checkpoint written), `NonFiniteLossError` after a
+    diverged step (nothing of it saved), `RunDirectoryBusy` when another process trains in the directory.
+    """
     check_inputs(cfg)
     changes = check_rerun(cfg)
     benchmarks = training_benchmarks(cfg)
     check_train_overlap(cfg, benchmarks)
-    with removed_if_start_fails(run_dir_of(cfg), fresh=not cfg.resume):
+    with RunLock(run_dir_of(cfg)), removed_unless_trained(run_dir_of(cfg), fresh=not cfg.resume) as attempt:
         run_dir = prepare_run_dir(cfg)
         L.seed_everything(cfg.seed, workers=True)
-        module = build_module(cfg)
-        datamodule = build_datamodule(cfg, module)
-        trainer = build_trainer(cfg, run_dir, extra_callbacks, benchmarks)
         checkpoint = resume_checkpoint(cfg, run_dir)
+        if already_finished(run_dir, checkpoint, changes):
+            print(f"{run_dir} finished at step {checkpoint_step(Path(checkpoint))} (its export is in "
+                  f"{run_dir / 'export'}): nothing to do", flush=True)
+            return None
+        module = build_module(cfg, resuming=checkpoint is not None)
+        datamodule = build_datamodule(cfg, module)
+        trainer = attempt.trainer = build_trainer(cfg, run_dir, extra_callbacks, benchmarks)
         record_resume(run_dir, checkpoint, changes)
-        trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+        fit_or_report_stop(trainer, module, datamodule, checkpoint)
     return trainer
+
+
+def fit_or_report_stop(trainer: L.Trainer, module: CompositionalCLIPModule, datamodule: L.LightningDataModule,
+                       checkpoint: Optional[str]) -> None:
+    """`trainer.fit` with the stop signals handled, an early stop turned into an error that says where the run
+    can resume from."""
+    safe_stop = next(callback for callback in trainer.callbacks if isinstance(callback, SafeStop))
+    signals = safe_stop.signals
+    try:
+        with signals.installed(trainer):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+    except SIGTERMException:
+        if signals.received == signal.SIGUSR1:
+            requeue_slurm_job()
+        raise signals.stop_error(trainer.global_step, safe_stop.outcome.get("saved")) from None
+    except NonFiniteLossError as err:
+        resume = safe_stop.outcome.get("resume_from")
+        kept = (f"the newest good checkpoint is {resume} (step {checkpoint_step(resume)}); a rerun resumes from it "
+                f"and meets the same batches, so change something with resume=false or experiment=<new name>"
+                if resume else "no checkpoint was written before it")
+        raise NonFiniteLossError(f"{err}; {kept}. Recorded in {trainer.default_root_dir}/{STOPS_RECORD}",
+                                 err.step) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -290,10 +375,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
         run(load_config_or_exit(args.config, args.overrides))
-    except (ResumeConfigError, TrainingOverlapError) as err:
+    except (ResumeConfigError, TrainingOverlapError, RunDirectoryBusy) as err:
         raise SystemExit(f"refused: {err}") from None
     except InputError as err:
         raise SystemExit(str(err)) from None
+    except StoppedBySignal as err:
+        print(str(err), file=sys.stderr, flush=True)
+        raise SystemExit(err.exit_code) from None
+    except NonFiniteLossError as err:
+        raise SystemExit(f"training stopped: {err}") from None
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Which checkpoint a rerun (or a SLURM requeue) resumes from, and whether the rerun may resume at all.
 
 Candidates in a run directory, newest training step first (modification time breaks ties):
-- `hpc_ckpt_<n>.ckpt`: written by Lightning's SLURM plugin when SIGUSR1 arrives before preemption;
-- `checkpoints/last.ckpt`: written by `LastCheckpoint` (every N steps, epoch ends, the end of training);
+- `hpc_ckpt_<n>.ckpt`: written by Lightning's own SLURM handler (runs from before `stops.StopSignals`);
+- `checkpoints/last.ckpt`: written by `LastCheckpoint` (every N steps, epoch ends, the end of training, a stop);
 - `checkpoints/previous.ckpt`: the last.ckpt before it, kept by a rename before every save;
 - `checkpoints/best-<step>.ckpt`: the best checkpoint by `checkpoint.monitor`.
 `resume_from=PATH` names the checkpoint instead.
@@ -31,13 +31,14 @@ PREVIOUS_CHECKPOINT = "previous.ckpt"
 BEST_CHECKPOINTS = "best-*.ckpt"
 
 # Keys a resumed run may change without becoming a different experiment: how long it runs, what it logs and
-# evaluates, how it reports progress, where it resumes from. A key ending in "." is a prefix (a whole section).
+# evaluates, how it reports progress, where it resumes from, how many loader workers it uses (each sample's
+# randomness is seeded by the sample, not by the worker). A key ending in "." is a prefix (a whole section).
 # Changing the length re-stretches the cosine schedule from the resume step on; the change is recorded in
 # `resumes.jsonl` of the run directory, so the record says what ran.
 RESUME_SAFE_KEYS = (
     "trainer.max_steps", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.enable_progress_bar",
     "trainer.num_sanity_val_steps", "checkpoint.every_n_steps", "evaluation.", "monitor.", "resume", "resume_from",
-    "runs_root",
+    "runs_root", "data.num_workers",
 )
 
 

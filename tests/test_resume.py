@@ -164,12 +164,13 @@ def test_a_changed_config_is_refused_before_anything_is_written(shapes_root, tmp
 def test_safe_changes_resume_and_are_recorded(shapes_root, tmp_path):
     run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0"))
     run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=2", "trainer.limit_val_batches=0",
-                    "trainer.log_every_n_steps=5"))
+                    "trainer.log_every_n_steps=5", "data.num_workers=1"))
     run_dir = tmp_path / "demo_pretrain"
     record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 1
     assert record["changed"] == {"trainer.max_steps": {"stored": 1, "now": 2},
-                                 "trainer.log_every_n_steps": {"stored": 1, "now": 5}}
+                                 "trainer.log_every_n_steps": {"stored": 1, "now": 5},
+                                 "data.num_workers": {"stored": 0, "now": 1}}
     assert "max_steps: 2" in (run_dir / "config.yaml").read_text()
 
 
@@ -199,3 +200,20 @@ def test_a_start_that_fails_while_building_leaves_no_run_directory(shapes_root, 
     with pytest.raises(Exception):
         run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", "model.name=ViT-No-Such-Model"))
     assert not (tmp_path / "demo_pretrain").exists()
+
+
+def test_rerunning_a_finished_run_writes_nothing(shapes_root, tmp_path, capfd, caplog):
+    """The same command again after the run finished: nothing to do, so no empty event file, no re-export,
+    no "initialized randomly" notice (a resumed model's weights come from its checkpoint)."""
+    overrides = ("trainer.max_steps=2", "trainer.limit_val_batches=0")
+    run(tiny_config(shapes_root, tmp_path, *overrides))
+    run_dir = tmp_path / "demo_pretrain"
+    before = snapshot(run_dir / "tb") | snapshot(run_dir / "export")
+    capfd.readouterr()
+    assert run(tiny_config(shapes_root, tmp_path, *overrides)) is None
+    assert "finished at step 2" in capfd.readouterr().out
+    assert snapshot(run_dir / "tb") | snapshot(run_dir / "export") == before
+    caplog.clear()
+    trainer = run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=3", "trainer.limit_val_batches=0"))
+    assert trainer.global_step == 3  # a longer run continues
+    assert not [r for r in caplog.records if "initialized randomly" in r.getMessage()]

@@ -83,6 +83,7 @@ class ClipCAE(ClipFineTune):
         self.replacement_vocabulary = vocabulary
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
         if self.replacement_vocabulary is not None:
             checkpoint[VOCABULARY_KEY] = self.replacement_vocabulary.to_dict()
 
