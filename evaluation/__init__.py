@@ -11,6 +11,7 @@ is wrong) and the `Scorer` interface.
 - `sgi.py`: Structure-Guided Inference, a training-free scorer on a frozen CLIP.
 - `aligner.py`: the TFLocal / TFGlobal aligner (a plain nn.Module), its export format and `AlignerScorer`.
 - `harness.py`: runs benchmarks with a scorer, stores per-item outcomes, aggregates, writes the tables.
+- `provenance.py`: what was scored (training step, sha256 of the weights file), recorded with every result.
 - `evaluate.py` (also `__main__.py`): the CLI, `python -m evaluation.evaluate` = `python -m evaluation`.
 - `leakage.py`: `python -m evaluation.leakage`, which evaluation images are also training images.
 

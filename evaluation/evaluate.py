@@ -16,10 +16,24 @@ scorer that is not the global cosine (sgi) is followed by the global cosine of t
 benchmarks, timed only (fresh caches, outcomes not written): the seconds per item of both go into the metadata
 (`cost_vs_global_cosine`) and the printout, unless `--no-cost-comparison`. Results go to `--out` (default
 `<run>/eval`, or `eval/<model>-<pretrained>`, with `-<scorer>` appended for a scorer other than clip): per-item
-`<name>/outcomes.jsonl`, `aggregates.json`, `results.md`, `results.csv`. When a run holds every part of a
-registered combined aggregate (`evaluation.benchmarks.COMBINED`, e.g. What'sUp's Table 1 means: `whatsup_ab` =
-mean of whatsup_a and whatsup_b), its numbers are written beside the benchmarks' own, and `--reaggregate`
-prints them too.
+`<name>/outcomes.jsonl` and `<name>/metadata.json`, `aggregates.json`, `results.md`, `results.csv`, written as
+each benchmark finishes: a benchmark that fails is reported by name with its error, the others still run and
+are kept, and the exit status is 1. Bad input stops before any model is built, in one line: a `--run` without
+an export yet, missing or empty (0-byte) benchmark images; an image that is there but does not decode fails
+its benchmark, naming the file (never a skip: a partial benchmark is a wrong number). When a run holds every
+part of a registered combined aggregate (`evaluation.benchmarks.COMBINED`, e.g. What'sUp's Table 1 means:
+`whatsup_ab` = mean of whatsup_a and whatsup_b), its numbers are written beside the benchmarks' own, and
+`--reaggregate` prints them too.
+
+Every result records what was scored: for `--run` (or `--pretrained` naming an export) the export's training
+step (`global_step`) and the sha256 of its weights file (`weights_sha256`), for a local checkpoint its sha256,
+for a pretrained tag the tag. A results folder accumulates evaluations; when its benchmarks of one run were
+scored from different weights (the run was exported again between two evaluations), every row keeps its own
+step and hash (results.csv columns, the results.md weights column), results.md opens with a "mixed weights"
+warning listing which benchmarks go with which weights (also printed), `aggregates.json` lists them under
+`mixed_weights`, and no combined aggregate averages across them. Nothing is deleted: re-evaluate the stale
+benchmarks, or pass a fresh `--out`, to get one table of one set of weights. `--tensorboard` logs the
+aggregates at the export's training step (0 without one) and prints the folder it wrote.
 """
 from __future__ import annotations
 
@@ -27,17 +41,18 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Type
+from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 import yaml
 
 from evaluation.aligner import AlignerScorer, is_aligner_export
 from evaluation.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
 from evaluation.benchmarks.base import Benchmark
-from evaluation.harness import (AGGREGATES_FILE, BenchmarkResult, available_benchmarks,
-                                          build_benchmarks, combined_aggregates, default_roots, log_to_tensorboard,
-                                          markdown_tables, reaggregate, rewrite_tables, run_all, run_benchmark,
-                                          write_results)
+from evaluation.harness import (AGGREGATES_FILE, BenchmarkResult, available_benchmarks, build_benchmarks,
+                                check_all_images, combined_aggregates, default_roots, folder_results,
+                                log_to_tensorboard, markdown_tables, mixed_weights_message, reaggregate,
+                                rewrite_tables, run_benchmark, run_each, write_results)
+from evaluation.provenance import Provenance, ProvenanceError, export_provenance, pretrained_provenance, run_export_dir
 from evaluation.scorers import PRECISIONS, ClipScorer, Scorer
 from evaluation.sgi import SGIScorer
 
@@ -70,7 +85,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     add_benchmark_arguments(parser)
     parser.add_argument("--out", type=Path, help="results folder")
     parser.add_argument("--tensorboard", type=Path, nargs="?", const=True, default=None,
-                        help="also log the aggregates as TensorBoard scalars (default folder: <run>/tb/eval)")
+                        help="also log the aggregates as TensorBoard scalars at the export's training step; prints "
+                             "the folder (default: <run>/tb/eval)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
     parser.add_argument("--batch-size", type=int, default=256)
@@ -173,6 +189,18 @@ def output_dir(args: argparse.Namespace) -> Path:
     return Path("eval") / f"{label}{scorer_suffix(args)}"
 
 
+def weights_provenance(args: argparse.Namespace) -> Provenance:
+    """What will be scored (training step, weights hash), read before anything is built; a run without an
+    export stops here in one line."""
+    if args.run:
+        provenance = export_provenance(run_export_dir(args.run))
+        provenance.record = {"run": str(args.run), **provenance.record}
+        return provenance
+    if not args.model:
+        raise SystemExit("give --run RUN_DIR or --model NAME --pretrained TAG_OR_PATH")
+    return pretrained_provenance(args.pretrained)
+
+
 def tensorboard_dir(args: argparse.Namespace, out: Path) -> Path:
     if args.tensorboard is not True:
         return args.tensorboard
@@ -238,6 +266,21 @@ def print_reaggregated(folder: Path) -> None:
     print(f"rewrote {AGGREGATES_FILE}, results.md and results.csv in {folder}")
 
 
+def prepare(args: argparse.Namespace) -> Tuple[Provenance, Dict[str, Benchmark], Scorer]:
+    """What is checked before the first benchmark is scored, in one-line errors: the weights (a run without an
+    export stops before anything is built), every benchmark's files and images, then the scorer, built from the
+    weights that were hashed."""
+    try:
+        provenance = weights_provenance(args)
+        benchmarks = select_benchmarks(args)
+        check_all_images(benchmarks)
+        scorer = build_scorer(args)
+        provenance.check_unchanged()
+    except (ProvenanceError, MissingBenchmarkData) as err:
+        raise SystemExit(str(err)) from None
+    return provenance, benchmarks, scorer
+
+
 def main(argv: Optional[Sequence[str]] = None) -> List:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -247,29 +290,52 @@ def main(argv: Optional[Sequence[str]] = None) -> List:
     if args.reaggregate:
         print_reaggregated(args.reaggregate)
         return []
-    benchmarks = select_benchmarks(args)
-    scorer = build_scorer(args)
-    try:
-        results = run_all(benchmarks, scorer, progress=not args.no_progress)
-    except MissingBenchmarkData as err:
-        raise SystemExit(str(err)) from None
+    provenance, benchmarks, scorer = prepare(args)
+    out = output_dir(args)
+
+    def run_metadata() -> Dict[str, object]:  # a scorer's description counts what it has done so far (sgi)
+        return {**scorer.describe(), **provenance.record, "benchmarks": ",".join(benchmarks)}
+
+    results, failures = run_each(benchmarks, scorer, lambda result: write_results(out, [result], run_metadata()),
+                                 progress=not args.no_progress)
     cost = {} if args.no_cost_comparison else cost_against_global_cosine(benchmarks, results, scorer,
                                                                          progress=not args.no_progress)
-    out = output_dir(args)
-    metadata = {**scorer.describe(), "benchmarks": ",".join(benchmarks)}
+    metadata = run_metadata()
     if cost:
         metadata["cost_vs_global_cosine"] = cost
-    folder = write_results(out, results, metadata)
-    if args.tensorboard is not None:
-        log_to_tensorboard(results, tensorboard_dir(args, out))
-    print(markdown_tables(results, metadata))
+    if results:  # this run's benchmarks again under one final description (the scorer's counts, the cost)
+        write_results(out, results, metadata)
+    report(out, results, metadata, cost)
+    if args.tensorboard is not None and results:
+        log_dir = tensorboard_dir(args, out)
+        log_to_tensorboard(results, log_dir, step=provenance.record.get("global_step") or 0)
+        print(f"TensorBoard events in {log_dir}")
+    if failures:
+        for failure in failures:
+            print(f"failed: {failure.summary()}", file=sys.stderr)
+        kept = f"; the results of the others are in {out}" if results else ""
+        raise SystemExit(f"{len(failures)} of {len(benchmarks)} benchmarks failed "
+                         f"({', '.join(f.name for f in failures)}){kept}")
+    return results
+
+
+def report(out: Path, results: Sequence[BenchmarkResult], metadata: Dict[str, object],
+           cost: Dict[str, Dict[str, object]]) -> None:
+    """This run's tables, then what else the results folder holds and whether it mixes weights."""
+    if results:
+        print(markdown_tables(results, metadata))
     if cost:
         print(cost_table(cost))
+    if not (out / AGGREGATES_FILE).is_file():
+        return
+    folder, scored_by = folder_results(out, [], {})
     earlier = sorted({r.name for r in folder} - {r.name for r in results})
     if earlier:
         print(f"{out} also holds earlier results of {', '.join(earlier)}; its tables list them all")
+    mixed = mixed_weights_message(scored_by)
+    if mixed:
+        print(mixed, file=sys.stderr)
     print(f"per-item outcomes and {AGGREGATES_FILE} in {out}")
-    return results
 
 
 if __name__ == "__main__":

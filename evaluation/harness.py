@@ -1,34 +1,47 @@
 """The evaluation harness: run benchmarks with a scorer, store per-item outcomes, aggregate, write tables.
 
-A results folder holds, per benchmark, `<name>/outcomes.jsonl` (one JSON object per item) and, for the run,
-`aggregates.json` (every aggregate plus what produced it), `results.md` and `results.csv`. The aggregates
-are a pure function of the outcomes: `reaggregate(folder)` recomputes them from the JSONL files. Beside the
-benchmarks' own aggregates, the tables carry the registered cross-benchmark aggregates (`COMBINED`, e.g.
-What'sUp's A + B mean) whose parts are all in the run; they are a function of the parts' aggregates.
+A results folder holds, per benchmark, `<name>/outcomes.jsonl` (one JSON object per item) and
+`<name>/metadata.json` (what scored them: model, weights hash and training step, scorer; with the sha256 of
+the outcomes file it describes), and, for the folder, `aggregates.json` (every aggregate plus what produced
+it), `results.md` and `results.csv`. The aggregates are a pure function of the outcomes: `reaggregate(folder)`
+recomputes them from the JSONL files. Beside the benchmarks' own aggregates, the tables carry the registered
+cross-benchmark aggregates (`COMBINED`, e.g. What'sUp's A + B mean) whose parts are all in the run; they are a
+function of the parts' aggregates.
+
+A folder accumulates evaluations. When the benchmarks of one weights source (a run, export, checkpoint or tag)
+in it were scored from different weights (a run exported again after some of them were scored), the tables
+keep every row, each with its own step and hash, and say so at the top (`mixed_weights` in aggregates.json);
+no combined aggregate mixes them.
 """
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from core.files import atomic_write_text
 from evaluation.benchmarks import BENCHMARKS, COMBINED, Benchmark, MissingBenchmarkData, build_benchmark
 from evaluation.benchmarks.base import Outcome
 from evaluation.benchmarks.base import Scorer
-from evaluation.benchmarks.images import missing_files
+from evaluation.benchmarks.images import UnreadableImageError, missing_files
+from evaluation.provenance import mixed_weights, weights_label
 
 log = logging.getLogger(__name__)
 
 OUTCOMES_FILE = "outcomes.jsonl"
+BENCHMARK_METADATA_FILE = "metadata.json"
 AGGREGATES_FILE = "aggregates.json"
 NAMES_IN_ERROR = 5
+# Errors of a benchmark's input (its files, its images): reported in one line, without a traceback.
+INPUT_ERRORS = (MissingBenchmarkData, UnreadableImageError)
 
 
 @dataclass
@@ -39,14 +52,51 @@ class BenchmarkResult:
     seconds: float
 
 
+@dataclass
+class BenchmarkFailure:
+    name: str
+    error: BaseException
+
+    def summary(self) -> str:
+        return f"{self.name}: {error_line(self.error)}"
+
+
+def error_line(error: BaseException) -> str:
+    """The error in one line. An error re-raised from a DataLoader worker carries the worker's traceback in its
+    message; its last line is the original error."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if "Original Traceback" in str(error) and lines:
+        return re.sub(r"^(?:\w+\.)+(?=\w+: )", "", lines[-1])  # `pkg.module.Error: message` -> `Error: message`
+    return f"{type(error).__name__}: {'; '.join(lines)}" if lines else type(error).__name__
+
+
 def check_images(benchmark: Benchmark) -> None:
-    """Fail before any encoding when images are missing: a partial benchmark gives a silently wrong number."""
-    missing = missing_files(benchmark.image_refs())
+    """Fail before any encoding when images are missing or empty: a partial benchmark gives a silently wrong
+    number (an image that exists but does not decode stops its benchmark when it is read, naming the file)."""
+    refs = benchmark.image_refs()
+    missing = missing_files(refs)
     if missing:
         shown = ", ".join(missing[:NAMES_IN_ERROR])
         raise MissingBenchmarkData(f"{benchmark.name}: {len(missing)} image files are missing under "
                                    f"{Path(missing[0]).parent} (e.g. {shown}); point the benchmark's images "
                                    f"option at the right folder (--set {benchmark.name}.images=DIR)")
+    empty = sorted(path for path in {ref.path for ref in refs} if Path(path).stat().st_size == 0)
+    if empty:
+        shown = ", ".join(empty[:NAMES_IN_ERROR])
+        raise MissingBenchmarkData(f"{benchmark.name}: {len(empty)} image files are empty (0 bytes): {shown}; "
+                                   f"copy them again from the benchmark's release")
+
+
+def check_all_images(benchmarks: Mapping[str, Benchmark]) -> None:
+    """`check_images` of every benchmark before the first is scored; one error lists every problem."""
+    problems = []
+    for benchmark in benchmarks.values():
+        try:
+            check_images(benchmark)
+        except MissingBenchmarkData as err:
+            problems.append(str(err))
+    if problems:
+        raise MissingBenchmarkData("\n".join(problems))
 
 
 def run_benchmark(benchmark: Benchmark, scorer: Scorer, progress: bool = False) -> BenchmarkResult:
@@ -86,20 +136,32 @@ def available_benchmarks(roots: Mapping[str, Path], options: Mapping[str, Mappin
 
 def write_results(out_dir: Path, results: Sequence[BenchmarkResult], metadata: Mapping[str, object]
                   ) -> List[BenchmarkResult]:
-    """Outcomes JSONL per benchmark of this run, then aggregates JSON, Markdown and CSV of the whole folder.
+    """Outcomes JSONL and metadata per benchmark of this run, then aggregates JSON, Markdown and CSV of the
+    whole folder (each file written atomically).
 
     A folder accumulates: this run adds or replaces its own benchmarks, and the tables list every benchmark
     whose outcomes are in the folder (earlier ones recomputed from their stored outcomes), each with the
     metadata of the run that scored it. Returns the folder's results, in registry order.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    metadata = plain(metadata)
     for result in results:
         (out_dir / result.name).mkdir(exist_ok=True)
         lines = "".join(json.dumps(outcome, sort_keys=True) + "\n" for outcome in result.outcomes)
+        # metadata first: a crash between the two writes leaves a metadata file whose hash does not match the
+        # outcomes, read as "scored by an unknown run", never old metadata over new outcomes
+        record = {"metadata": metadata, "items": len(result.outcomes), "seconds": round(result.seconds, 3),
+                  "outcomes_sha256": hashlib.sha256(lines.encode("utf-8")).hexdigest()}
+        atomic_write_text(out_dir / result.name / BENCHMARK_METADATA_FILE, json.dumps(record, indent=2, sort_keys=True))
         atomic_write_text(out_dir / result.name / OUTCOMES_FILE, lines)
     folder, scored_by = folder_results(out_dir, results, metadata)
     write_tables(out_dir, folder, scored_by, metadata)
     return folder
+
+
+def plain(metadata: Mapping[str, object]) -> Dict[str, object]:
+    """`metadata` as it reads back from JSON (tuples become lists), so that stored and fresh records compare."""
+    return json.loads(json.dumps(dict(metadata), default=str))
 
 
 def stored_document(out_dir: Path) -> dict:
@@ -108,21 +170,36 @@ def stored_document(out_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+UNKNOWN_SCORER = {"scored_by": "unknown: its metadata.json does not describe its outcomes.jsonl"}
+
+
+def stored_scored_by(out_dir: Path, name: str, stored: Mapping[str, object]) -> Tuple[Mapping[str, object], float]:
+    """Who scored the stored outcomes of `name` and in how many seconds: its metadata.json when that describes
+    the outcomes file as it is now; a folder written before metadata.json existed falls back to aggregates.json."""
+    folder = Path(out_dir) / name
+    path = folder / BENCHMARK_METADATA_FILE
+    if path.is_file():
+        record = json.loads(path.read_text())
+        outcomes_hash = hashlib.sha256((folder / OUTCOMES_FILE).read_bytes()).hexdigest()
+        if record.get("outcomes_sha256") != outcomes_hash:
+            return UNKNOWN_SCORER, float(record.get("seconds", 0.0))
+        return record.get("metadata", {}), float(record.get("seconds", 0.0))
+    entry = stored.get("benchmarks", {}).get(name, {})
+    return entry.get("metadata", stored.get("metadata", {})), float(entry.get("seconds", 0.0))
+
+
 def folder_results(out_dir: Path, results: Sequence[BenchmarkResult], metadata: Mapping[str, object]
                    ) -> tuple[List[BenchmarkResult], Dict[str, Mapping[str, object]]]:
     """This run's results plus every other benchmark stored in the folder, and who scored each."""
     stored = stored_document(out_dir)
-    earlier = stored.get("benchmarks", {})
     new = {result.name: result for result in results}
-    scored_by: Dict[str, Mapping[str, object]] = {name: dict(metadata) for name in new}
+    scored_by: Dict[str, Mapping[str, object]] = {name: plain(metadata) for name in new}
     folder = dict(new)
     for name, aggregates in reaggregate(out_dir).items():
         if name in new:
             continue
-        entry = earlier.get(name, {})
-        folder[name] = BenchmarkResult(name, read_outcomes(out_dir / name / OUTCOMES_FILE), aggregates,
-                                       float(entry.get("seconds", 0.0)))
-        scored_by[name] = entry.get("metadata", stored.get("metadata", {}))
+        scored_by[name], seconds = stored_scored_by(out_dir, name, stored)
+        folder[name] = BenchmarkResult(name, read_outcomes(out_dir / name / OUTCOMES_FILE), aggregates, seconds)
     order = list(BENCHMARKS)
     names = sorted(folder, key=order.index)
     return [folder[name] for name in names], {name: scored_by[name] for name in names}
@@ -136,7 +213,8 @@ def write_tables(out_dir: Path, results: Sequence[BenchmarkResult], scored_by: M
                                         "seconds": round(r.seconds, 3), "metadata": dict(scored_by[r.name])}
                                for r in results},
                 "combined": {name: {"aggregates": aggregates, "parts": list(COMBINED[name].parts)}
-                             for name, aggregates in results_combined(results, scored_by).items()}}
+                             for name, aggregates in results_combined(results, scored_by).items()},
+                "mixed_weights": mixed_weights(scored_by)}
     atomic_write_text(out_dir / AGGREGATES_FILE, json.dumps(_finite(document), indent=2, sort_keys=True))
     atomic_write_text(out_dir / "results.md", markdown_tables(results, metadata, scored_by))
     atomic_write_text(out_dir / "results.csv", csv_table(results, scored_by))
@@ -192,22 +270,26 @@ def _fmt(value: object) -> str:
 
 def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, object],
                     scored_by: Optional[Mapping[str, Mapping[str, object]]] = None) -> str:
-    """A headline table (one row per benchmark, then one per combined aggregate) and a full table for each.
-    Benchmarks scored by a run with other metadata (an earlier evaluation into the same folder) say so."""
+    """A headline table (one row per benchmark with the weights that scored it, then one per combined
+    aggregate) and a full table for each. Benchmarks scored by a run with other metadata (an earlier evaluation
+    into the same folder) say so; benchmarks of one weights source scored from different weights are listed
+    first, under a warning."""
     combined = results_combined(results, scored_by)
     items = {result.name: len(result.outcomes) for result in results}
+    weights = {result.name: weights_label((scored_by or {}).get(result.name, metadata)) for result in results}
     lines = ["# Evaluation results", "", _describe(metadata), ""]
-    others = {name: meta for name, meta in (scored_by or {}).items() if dict(meta) != dict(metadata)}
+    lines += _mixed_weights_warning(scored_by or {})
+    others = {name: meta for name, meta in (scored_by or {}).items() if plain(meta) != plain(metadata)}
     lines += [f"- {name} was scored by an earlier run: {_describe(meta)}" for name, meta in others.items()]
     lines += [""] if others else []
-    lines += ["| benchmark | items | headline |", "|---|---:|---|"]
+    lines += ["| benchmark | items | headline | weights |", "|---|---:|---|---|"]
     for result in results:
         lines.append(_headline_row(result.name, items[result.name], BENCHMARKS[result.name].headline,
-                                   result.aggregates))
+                                   result.aggregates, weights[result.name]))
     for name, aggregates in combined.items():
         parts = COMBINED[name].parts
         lines.append(_headline_row(f"{name} = mean({', '.join(parts)})", sum(items[part] for part in parts),
-                                   COMBINED[name].headline, aggregates))
+                                   COMBINED[name].headline, aggregates, weights[parts[0]]))
     for result in results:
         lines += _full_table(result.name, BENCHMARKS[result.name].description, result.aggregates)
     for name, aggregates in combined.items():
@@ -215,13 +297,31 @@ def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, o
     return "\n".join(lines) + "\n"
 
 
+def _mixed_weights_warning(scored_by: Mapping[str, Mapping[str, object]]) -> List[str]:
+    lines = []
+    for source, weights in mixed_weights(scored_by).items():
+        lines.append(f"**Mixed weights**: the benchmarks of {source} in this folder were scored from "
+                     f"{len(weights)} different weights; compare them only within one:")
+        lines += [f"- {label}: {', '.join(names)}" for label, names in weights.items()]
+        lines.append("")
+    return lines
+
+
+def mixed_weights_message(scored_by: Mapping[str, Mapping[str, object]]) -> str:
+    """One line per weights source scored from several weights ('' when none): for the CLI's printout."""
+    return "\n".join(f"warning: {source} was scored from {len(weights)} different weights in this folder: "
+                     + "; ".join(f"{label}: {', '.join(names)}" for label, names in weights.items())
+                     for source, weights in mixed_weights(scored_by).items())
+
+
 def _describe(metadata: Mapping[str, object]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in metadata.items())
 
 
-def _headline_row(name: str, items: int, headline: Sequence[str], aggregates: Mapping[str, object]) -> str:
+def _headline_row(name: str, items: int, headline: Sequence[str], aggregates: Mapping[str, object],
+                  weights: str) -> str:
     shown = ", ".join(f"{key} {_fmt(aggregates.get(key, float('nan')))}" for key in headline or tuple(aggregates))
-    return f"| {name} | {items} | {shown} |"
+    return f"| {name} | {items} | {shown} | {weights} |"
 
 
 def _full_table(name: str, description: str, aggregates: Mapping[str, object]) -> List[str]:
@@ -231,15 +331,23 @@ def _full_table(name: str, description: str, aggregates: Mapping[str, object]) -
 
 def csv_table(results: Sequence[BenchmarkResult],
               scored_by: Optional[Mapping[str, Mapping[str, object]]] = None) -> str:
-    """Long format: benchmark (or combined aggregate), metric, value (empty for an undefined value)."""
+    """Long format: benchmark (or combined aggregate), metric, value (empty for an undefined value), and the
+    training step and weights sha256 that scored the row (empty when not recorded: a tag, random init)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["benchmark", "metric", "value"])
+    writer.writerow(["benchmark", "metric", "value", "global_step", "weights_sha256"])
     for name, aggregates in named_aggregates(results, scored_by).items():
+        part = COMBINED[name].parts[0] if name in COMBINED else name  # a combined row's parts share one scorer
+        meta = (scored_by or {}).get(part, {})
+        scored = [_blank_none(meta.get("global_step")), _blank_none(meta.get("weights_sha256"))]
         for key, value in aggregates.items():
             finite = not isinstance(value, float) or math.isfinite(value)
-            writer.writerow([name, key, value if finite else ""])
+            writer.writerow([name, key, value if finite else "", *scored])
     return buffer.getvalue()
+
+
+def _blank_none(value: object) -> object:
+    return "" if value is None else value
 
 
 def read_outcomes(path: Path) -> List[Outcome]:
@@ -281,3 +389,24 @@ def run_all(benchmarks: Mapping[str, Benchmark], scorer: Scorer, progress: bool 
         results.append(run_benchmark(benchmark, scorer, progress=progress))
         log.info("%s: %d items in %.1f s", name, len(results[-1].outcomes), results[-1].seconds)
     return results
+
+
+def run_each(benchmarks: Mapping[str, Benchmark], scorer: Scorer, on_result: Callable[[BenchmarkResult], None],
+             progress: bool = False) -> Tuple[List[BenchmarkResult], List[BenchmarkFailure]]:
+    """`run_all` that survives a failing benchmark: `on_result` gets each result as soon as it is scored (the
+    CLI writes it then, so a later failure loses nothing), a failure is logged and recorded, and the remaining
+    benchmarks still run. An input error (missing or unreadable files) is logged in one line; anything else
+    with its traceback, as a bug to look into."""
+    results, failures = [], []
+    for name, benchmark in benchmarks.items():
+        log.info("evaluating %s", name)
+        try:
+            result = run_benchmark(benchmark, scorer, progress=progress)
+        except Exception as err:  # noqa: BLE001 - every benchmark gets its chance; the failure is reported
+            failures.append(BenchmarkFailure(name, err))
+            log.error("%s failed: %s", name, error_line(err), exc_info=not isinstance(err, INPUT_ERRORS))
+            continue
+        log.info("%s: %d items in %.1f s", name, len(result.outcomes), result.seconds)
+        on_result(result)
+        results.append(result)
+    return results, failures

@@ -11,8 +11,21 @@ from PIL import Image
 from evaluation.benchmarks.base import ImageRef
 
 
+class UnreadableImageError(OSError):
+    """A benchmark image that is there but does not decode; the message names the file."""
+
+
 def load_image(ref: ImageRef) -> Image.Image:
     """The RGB image `ref` points at, cropped to `ref.box` when it has one."""
+    try:
+        return _decode(ref)
+    except OSError as err:  # PIL's "cannot identify image file", truncated data
+        where = ref.path if ref.member is None else f"{ref.path} ({ref.member})"
+        raise UnreadableImageError(f"cannot read benchmark image {where}: {err}; copy it again from the "
+                                   f"benchmark's release") from err
+
+
+def _decode(ref: ImageRef) -> Image.Image:
     if ref.member is not None:
         image = Image.open(io.BytesIO(parquet_image_bytes(ref.path, ref.member)))
     else:
