@@ -13,7 +13,9 @@ is 0, and wrong on VG-Relation, whose gold index is 1. One rule for all avoids t
 tie exactly: every scorer scores an item's distinct images and texts once and indexes the result
 (`Scorer.score`), so an item whose negative equals its positive (VL-CheckList has such items, ARO-Order
 perturbations can equal the caption) gets two bit-identical scores and is wrong, whatever the float rounding of
-a matrix product would have done to two identical columns.
+a matrix product would have done to two identical columns. Texts are distinct when the model sees them differ
+(`Scorer.text_keys`: the token ids for a tokenizing scorer), not when their strings do: ARO-Order perturbations
+re-join words with spaces ("vegetables , chicken"), which CLIP's tokenizer maps to the caption's ids.
 """
 from __future__ import annotations
 
@@ -187,19 +189,34 @@ class Scorer(ABC):
     Identical candidates get bit-identical scores, so that a tie is a tie and the benchmarks' strict `>` rule
     scores it wrong: `score` and `score_groups` score each distinct image, text (and text group) once and index
     the result. (Two identical columns of one matrix product can differ in the last bit on the CPU, which once
-    made identical VL-CheckList positives and negatives "correct".) Subclasses implement `score_unique` (and
-    may implement `score_unique_groups`), which are only ever called with distinct values.
+    made identical VL-CheckList positives and negatives "correct".) Texts are identical when their `text_keys`
+    are: what the model sees of them, which a tokenizing scorer makes the token ids. Subclasses implement
+    `score_unique` (and may implement `score_unique_groups`), which are only ever called with distinct values.
     """
 
     def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
         """Precompute whatever `score` will need for these images and texts (optional)."""
 
+    def text_keys(self, texts: Sequence[str]) -> list:
+        """What the model sees of each text, as a hashable key: texts with equal keys score bit-identically.
+
+        The default is the string itself. A scorer whose model reads token ids returns those, so that strings
+        its tokenizer maps to the same ids ("vegetables , chicken" and "vegetables, chicken" for CLIP's, which
+        splits punctuation off and collapses whitespace) tie exactly instead of by the luck of float rounding.
+        """
+        return list(texts)
+
     def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
         """Similarity matrix [len(images), len(texts)]; equal images (texts) give bit-identical rows (columns)."""
         unique_images, rows = unique_with_positions(images)
-        unique_texts, columns = unique_with_positions(texts)
+        unique_texts, columns = self.distinct_texts(texts)
         matrix = np.asarray(self.score_unique(unique_images, unique_texts))
         return matrix.reshape(len(unique_images), len(unique_texts))[np.ix_(rows, columns)]
+
+    def distinct_texts(self, texts: Sequence[str]) -> Tuple[List[str], np.ndarray]:
+        """One text per distinct key (the first seen, in first-seen order) and each text's position among them."""
+        keys, positions = unique_with_positions(self.text_keys(texts))
+        return _first_of_each(texts, positions, len(keys)), positions
 
     @abstractmethod
     def score_unique(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
@@ -211,7 +228,10 @@ class Scorer(ABC):
         Equal groups (a class list that repeats a name) give bit-identical columns.
         """
         unique_images, rows = unique_with_positions(images)
-        unique_groups, columns = unique_with_positions(tuple(group) for group in text_groups)
+        groups = [tuple(group) for group in text_groups]
+        keys = iter(self.text_keys([text for group in groups for text in group]))
+        group_keys, columns = unique_with_positions(tuple(next(keys) for _ in group) for group in groups)
+        unique_groups = _first_of_each(groups, columns, len(group_keys))
         matrix = np.asarray(self.score_unique_groups(unique_images, unique_groups))
         return matrix.reshape(len(unique_images), len(unique_groups))[np.ix_(rows, columns)]
 
@@ -228,6 +248,15 @@ class Scorer(ABC):
     def describe(self) -> Dict[str, object]:
         """What produced the numbers, stored with the results."""
         return {"scorer": type(self).__name__}
+
+
+def _first_of_each(values: Sequence, positions: np.ndarray, count: int) -> list:
+    """For each of `count` distinct positions, the first of `values` at it (`positions[i]` is the position of
+    `values[i]`; first-seen order, as `unique_with_positions` numbers them)."""
+    first: Dict[int, object] = {}
+    for value, position in zip(values, positions.tolist()):
+        first.setdefault(position, value)
+    return [first[position] for position in range(count)]
 
 
 # COCO's own file names, matched against the whole base name: `COCO_<split>_<12 digits>.jpg` (2014 release) or
