@@ -182,7 +182,8 @@ def test_identical_candidates_are_ties_and_wrong_through_real_benchmarks(tmp_pat
         path.write_text(json.dumps({k: {**e, "negative_caption": e["caption"]} for k, e in entries.items()}))
     outcomes = SugarCrepe(root).outcomes(scorer)
     identical = [o for o in outcomes if o["subset"] in ("replace_obj", "swap_att")]
-    assert identical and not any(o["correct"] for o in identical)
+    assert identical and not any(o["correct"] for o in identical) and all(o["tie"] for o in identical)
+    assert SugarCrepe.aggregate(outcomes)["ties"] == len(identical)
 
     checklist = VLCheckList(tmp_path / "vlc", **write_vl_checklist(tmp_path / "vlc", n_items=2))
     for item in checklist.items()[:20]:
