@@ -4,8 +4,9 @@ Official files: `<root>/<subset>.json`, each `{"<key>": {"filename", "caption", 
 keys that are not contiguous (`swap_obj` lost "108"), so items are read by key, never by range(len). Images
 are COCO val2017 (`<images>/<filename>`). An item is correct iff cos(image, caption) > cos(image, negative),
 strictly, as the reference's `>`: a tie is wrong, and `ties` counts the tied items (a negative with the
-caption's token ids, or equal scores by chance). Category numbers (replace / swap / add) are micro averages; both overall averages are reported:
-micro over all items and macro over the 7 subsets (as vl_compo and the TFLocal paper report).
+caption's token ids, or equal scores by chance). Category numbers (replace / swap / add) are micro averages;
+both overall averages are reported: micro over all items and macro over the 7 subsets (as vl_compo and the
+TFLocal paper report).
 
 Reference numbers, OpenAI CLIP ViT-B/32 (from the BiVLC authors' per-item outcomes; tests pin both sets):
 - published, on the paper's 7,512 items: replace_obj 90.92, replace_att 80.08, replace_rel 69.20,
