@@ -96,6 +96,7 @@ class _VisualGenomeBenchmark(JsonListBenchmark):
     """VG-Relation and VG-Attribution share files, items and the per-item rule; they differ in grouping."""
 
     group_key = ""  # the outcome field the aggregate groups by
+    vg_images_by_id = True  # `images/<VG id>.jpg` (ARO's GQA image subset is Visual Genome's)
 
     def _item(self, path: Path, index: int, record: dict) -> Item:
         _require(path, index, record, ("image_path", "true_caption", "false_caption") + _BBOX_FIELDS)

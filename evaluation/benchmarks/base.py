@@ -62,6 +62,20 @@ class Item:
     meta: Dict[str, object] = field(default_factory=dict)
 
 
+# Where an image comes from, as far as its name tells (`Benchmark.image_origin`): the leakage guard matches COCO
+# ids, maps Visual Genome ids to COCO ids when it has VG's id map, and can only compare the bytes of the rest.
+COCO, VISUAL_GENOME, GENERATED, OTHER = "coco", "visual_genome", "generated", "other"
+
+
+@dataclass(frozen=True)
+class ImageOrigin:
+    """An image's source dataset (`COCO`, `VISUAL_GENOME`, `GENERATED`: made for the benchmark, so in no photo
+    collection; `OTHER`: a source without a COCO mapping, or an unrecognised name) and its id there, if any."""
+
+    source: str
+    id: Optional[int] = None
+
+
 class MissingBenchmarkData(FileNotFoundError):
     """A benchmark root without the files the benchmark reads; the message lists them."""
 
@@ -98,9 +112,25 @@ class Benchmark(ABC):
         """Every image the benchmark reads (used by the leakage guard and the missing-image check)."""
         return []
 
+    # Whether the benchmark stores Visual Genome images under their bare ids (`<root>/images/2315375.jpg`: ARO's
+    # VG sets, What'sUp's GQA sets). Elsewhere a bare number is not read as a VG id: Flickr30k names look alike.
+    vg_images_by_id: bool = False
+
     def coco_image_ids(self) -> Set[int]:
-        """COCO image ids among the benchmark's images, read from COCO-style file names."""
-        return {i for i in (coco_id_from_name(ref.path) for ref in self.image_refs()) if i is not None}
+        """COCO image ids among the benchmark's images, read from COCO-style file names (for an embedded image,
+        the name recorded with it); Visual Genome images are not among them (see `image_origin`)."""
+        return {origin.id for origin in map(self.image_origin, self.image_refs()) if origin.source == COCO}
+
+    def image_origin(self, ref: ImageRef) -> ImageOrigin:
+        """Where image `ref` comes from, read from the name it was published under: a COCO file name, a Visual
+        Genome one (`VG_100K/<id>.jpg`, Visual7W's `v7w_<id>.jpg`, or `<id>.jpg` when `vg_images_by_id`), else
+        `OTHER`."""
+        name = image_file_name(ref)
+        coco = coco_id_from_name(name)
+        if coco is not None:
+            return ImageOrigin(COCO, coco)
+        vg = visual_genome_id_from_name(name, bare_ids=self.vg_images_by_id)
+        return ImageOrigin(VISUAL_GENOME, vg) if vg is not None else ImageOrigin(OTHER)
 
     def check_files(self) -> None:
         missing = [name for name in self.required_files()
@@ -270,6 +300,35 @@ def coco_id_from_name(path: str) -> Optional[int]:
     """The COCO id of a COCO-named image file (`000000391895.jpg`, `COCO_val2014_000000391895.jpg`), else None."""
     match = _COCO_NAME.fullmatch(PurePath(str(path)).name)
     return int(match.group(1)) if match else None
+
+
+# Visual Genome's own folders (`VG_100K`, `VG_100K_2`) name an image by its VG id; Visual7W (VALSE existence and
+# counting) names VG image <id> `v7w_<id>.jpg`.
+_VG_FOLDERS = ("VG_100K", "VG_100K_2")
+_VG_BARE_NAME = re.compile(r"(\d+)\.jpg")
+_V7W_NAME = re.compile(r"v7w_(\d+)\.jpg")
+
+
+def visual_genome_id_from_name(path: str, bare_ids: bool = False) -> Optional[int]:
+    """The Visual Genome id of a VG-named image (`VG_100K/2354786.jpg`, `VG_100K_2/...`, `v7w_2354786.jpg`, and
+    with `bare_ids` any `2354786.jpg`), else None."""
+    pure = PurePath(str(path))
+    v7w = _V7W_NAME.fullmatch(pure.name)
+    if v7w:
+        return int(v7w.group(1))
+    bare = _VG_BARE_NAME.fullmatch(pure.name)
+    return int(bare.group(1)) if bare and (bare_ids or pure.parent.name in _VG_FOLDERS) else None
+
+
+def image_file_name(ref: ImageRef) -> str:
+    """The name image `ref` was published under: its path, or for an image embedded in a parquet file the file
+    name recorded with it (the Hugging Face image feature's `path`; the container's path when none is)."""
+    if ref.member is None:
+        return ref.path
+    from evaluation.benchmarks.images import parquet_image_names  # images.py imports this module
+
+    column, _, row = ref.member.rpartition(":")
+    return parquet_image_names(ref.path, column)[int(row)] or ref.path
 
 
 def require(condition: bool, message: str) -> None:
