@@ -27,7 +27,7 @@ from core.export import WEIGHTS_FILE, load_export
 from core.files import atomic_write_bytes, atomic_write_text
 from datamodules.features import backbone_fingerprint, frozen_image_features, frozen_text_features, length_mask
 from evaluation.benchmarks.base import ImageRef, Scorer, unique
-from evaluation.scorers import PRECISIONS, EmbeddingTable, ImageFiles
+from evaluation.scorers import PRECISIONS, EmbeddingTable, ImageFiles, TokenKeys
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,8 @@ class AlignerScorer(Scorer):
 
     Each unique image and text is encoded once by the frozen CLIP (tokens and global embedding kept), and
     each requested (image, text) pair is scored once by the aligner (scores are kept, so the retrieval
-    benchmark's second pass costs nothing and is bit-identical).
+    benchmark's second pass costs nothing and is bit-identical). Texts with the same token ids are one candidate
+    (`text_keys`): scored once, they tie exactly.
 
     With `rerank_k=None` every requested pair gets its aligner score (compositional benchmarks: a handful
     of candidates per item). With `rerank_k=k` (retrieval), a pair is re-ranked when the text is among the
@@ -191,6 +192,7 @@ class AlignerScorer(Scorer):
         self.encoders = CLIPEncoders(model).to(self.device).eval()
         self.aligner = aligner.to(self.device).eval()
         self.kind, self.tokenizer, self.preprocess = kind, tokenizer, preprocess
+        self.token_keys = TokenKeys(tokenizer)
         self.precision, self.batch_size, self.pair_batch = precision, batch_size, pair_batch
         self.rerank_k, self.num_workers = rerank_k, num_workers
         self.metadata = dict(metadata or {})
@@ -214,6 +216,10 @@ class AlignerScorer(Scorer):
     def describe(self) -> Dict[str, object]:
         return {**super().describe(), **self.metadata, "rerank_k": self.rerank_k, "precision": self.precision,
                 "device": str(self.device)}
+
+    def text_keys(self, texts: Sequence[str]) -> List[bytes]:
+        """The token ids the frozen text tower reads: token-identical texts are scored once and tie exactly."""
+        return self.token_keys.keys(texts)
 
     # ----- encoding (once per unique image / text) -----------------------------------------------------------
     def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
@@ -249,7 +255,8 @@ class AlignerScorer(Scorer):
         for start in tqdm(range(0, len(texts), self.batch_size), desc="texts", unit="batch", disable=not progress):
             chunk = texts[start:start + self.batch_size]
             with self._autocast():
-                tokens, lengths, pooled = frozen_text_features(self.encoders, self.tokenizer(chunk).to(self.device))
+                ids = self.token_keys.ids(chunk).to(self.device)
+                tokens, lengths, pooled = frozen_text_features(self.encoders, ids)
             for text, row, length in zip(chunk, tokens.float(), lengths.tolist()):
                 self.text_tokens[text] = row[:length].clone()
             self.text_global.add(chunk, pooled.float())

@@ -4,6 +4,8 @@
 once per run, in batches, and keeps the embeddings, so a benchmark that reuses an image across many items
 (COCO-Order: 5 captions per image; SugarCrepe: up to 7 subsets per image) pays for it once. Other scorers
 (structure-guided inference, the TFLocal aligner) implement `score`, and `prepare` when they can precompute.
+A text is keyed by its token ids (`TokenKeys`), not its string: texts the tokenizer maps to the same ids are
+embedded once and tie exactly.
 
 Text cost [ours, exact up to float rounding]: for a CLIP text tower (causal attention, EOS pooling) `ClipScorer`
 sorts the texts by token count and runs each batch only up to its longest text's EOS: the positions after it
@@ -68,8 +70,36 @@ class EmbeddingTable:
         return self._matrix[[self.row[key] for key in keys]]
 
 
+class TokenKeys:
+    """Each text's token ids as the tokenizer gives them (tokenized once per distinct string), and as bytes: the
+    key under which a scorer tells texts apart. Strings differing only where the tokenizer does not look
+    (spaces around punctuation, runs of whitespace, case for CLIP's) share a key."""
+
+    CHUNK = 4096  # texts per tokenizer call
+
+    def __init__(self, tokenizer: Callable):
+        self.tokenizer = tokenizer
+        self._keys: Dict[str, bytes] = {}
+        self._dtype: Optional[np.dtype] = None
+
+    def keys(self, texts: Sequence[str]) -> List[bytes]:
+        todo = [text for text in unique(texts) if text not in self._keys]
+        for start in range(0, len(todo), self.CHUNK):
+            chunk = todo[start:start + self.CHUNK]
+            tokens = torch.as_tensor(self.tokenizer(chunk)).cpu().numpy()
+            self._dtype = tokens.dtype
+            self._keys.update(zip(chunk, (row.tobytes() for row in tokens)))
+        return [self._keys[text] for text in texts]
+
+    def ids(self, texts: Sequence[str]) -> Tensor:
+        """Token ids [len(texts), context], from the keys (no second tokenization)."""
+        keys = self.keys(texts)
+        return torch.from_numpy(np.stack([np.frombuffer(key, dtype=self._dtype) for key in keys]))
+
+
 class EmbeddingScorer(Scorer):
-    """Cosine similarity of L2-normalised embeddings, each unique image and text embedded once."""
+    """Cosine similarity of L2-normalised embeddings, each unique image and text embedded once (a text once per
+    `text_keys` key, the first string seen with it standing for the others)."""
 
     def __init__(self, batch_size: int = 256):
         self.batch_size = batch_size
@@ -85,22 +115,32 @@ class EmbeddingScorer(Scorer):
         """Embeddings [len(texts), D]."""
 
     def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
-        self._fill(self.images, images, self.embed_images, progress)
-        self._fill(self.texts, texts, self.embed_texts, progress)
+        self._fill_images(images, progress)
+        self._fill_texts(texts, progress)
 
-    @staticmethod
-    def _fill(table: EmbeddingTable, keys: Sequence, embed: Callable, progress: bool) -> None:
-        todo = table.missing(keys)
+    def _fill_images(self, refs: Sequence[ImageRef], progress: bool) -> None:
+        todo = self.images.missing(refs)
         if todo:
-            table.add(todo, F.normalize(embed(todo, progress).float().cpu(), dim=-1))
+            self.images.add(todo, F.normalize(self.embed_images(todo, progress).float().cpu(), dim=-1))
+
+    def _fill_texts(self, texts: Sequence[str], progress: bool) -> list:
+        """The keys of `texts`, after embedding one text of each key the table lacks."""
+        keys = self.text_keys(texts)
+        todo: Dict[Hashable, str] = {}
+        for key, text in zip(keys, texts):
+            if key not in self.texts.row:
+                todo.setdefault(key, text)
+        if todo:
+            embeddings = self.embed_texts(list(todo.values()), progress)
+            self.texts.add(list(todo), F.normalize(embeddings.float().cpu(), dim=-1))
+        return keys
 
     def image_embeddings(self, refs: Sequence[ImageRef]) -> Tensor:
-        self._fill(self.images, refs, self.embed_images, False)
+        self._fill_images(refs, False)
         return self.images.lookup(refs)
 
     def text_embeddings(self, texts: Sequence[str]) -> Tensor:
-        self._fill(self.texts, texts, self.embed_texts, False)
-        return self.texts.lookup(texts)
+        return self.texts.lookup(self._fill_texts(texts, False))
 
     def score_unique(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
         return (self.image_embeddings(images) @ self.text_embeddings(texts).T).numpy()
@@ -151,6 +191,7 @@ class ClipScorer(EmbeddingScorer):
         self.model = model.to(self.device).eval()  # the inputs go to `device`, so the weights must be there too
         self.trimmed_text = _trimmable_text_tower(self.model) if trim_text else None
         self.tokenizer, self.preprocess = tokenizer, preprocess
+        self.token_keys = TokenKeys(tokenizer)
         self.metadata = dict(metadata or {})
 
     @classmethod
@@ -172,6 +213,10 @@ class ClipScorer(EmbeddingScorer):
         built = load_export(export_dir)
         return cls(built.model, built.tokenizer, built.preprocess_val,
                    metadata={"model": built.name, "pretrained": str(export_dir)}, **kwargs)
+
+    def text_keys(self, texts: Sequence[str]) -> List[bytes]:
+        """The token ids the text tower reads (see `Scorer.text_keys`)."""
+        return self.token_keys.keys(texts)
 
     def describe(self) -> Dict[str, object]:
         activation = "quickgelu" if _uses_quickgelu(self.model) else "gelu"
@@ -196,7 +241,7 @@ class ClipScorer(EmbeddingScorer):
     def embed_texts(self, texts: Sequence[str], progress: bool) -> Tensor:
         if self.trimmed_text is None:
             return self._embed_texts_full(texts, progress)
-        tokens = self.tokenizer(list(texts))
+        tokens = self.token_keys.ids(texts)
         lengths = tokens.argmax(dim=-1) + 1  # the EOS (CLIP's largest token id) and what precedes it
         order = torch.argsort(lengths, stable=True)
         embeddings: Optional[Tensor] = None
@@ -215,7 +260,7 @@ class ClipScorer(EmbeddingScorer):
         chunks = []
         starts = range(0, len(texts), self.batch_size)
         for start in tqdm(starts, desc="texts", unit="batch", disable=not progress):
-            tokens = self.tokenizer(list(texts[start:start + self.batch_size])).to(self.device)
+            tokens = self.token_keys.ids(texts[start:start + self.batch_size]).to(self.device)
             with self._autocast():
                 chunks.append(self.model.encode_text(tokens).float().cpu())
         return torch.cat(chunks)

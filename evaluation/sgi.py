@@ -315,6 +315,7 @@ class SGIScorer(Scorer):
         self.layouts: Dict[ImageRef, _Layout] = {}
         self.segments: Dict[str, List[str]] = {}
         self.fallback_captions: Set[str] = set()
+        self._text_keys: Dict[str, tuple] = {}
 
     @classmethod
     def from_pretrained(cls, name: str, pretrained: Optional[str], config_dir: Optional[str] = "configs/models",
@@ -357,6 +358,19 @@ class SGIScorer(Scorer):
         self._encode_crops([ref for ref in unique(images) if ref not in self.layouts], progress)
         segments = [segment for text in unique(texts) for segment in self.segments[text]]
         self.clip.prepare([], unique(list(texts) + segments), progress)
+
+    def text_keys(self, texts: Sequence[str]) -> List[tuple]:
+        """What SGI's model sees of a caption: its token ids and those of its segments. Two captions with the
+        same token ids tie exactly when the parser also cut them into token-identical segments (spaCy sees the
+        string, so spacing can in principle change the parse, and with it the score)."""
+        todo = [text for text in unique(texts) if text not in self._text_keys]
+        if todo:
+            self._parse(todo)
+            segment_keys = iter(self.clip.text_keys([s for text in todo for s in self.segments[text]]))
+            captions = self.clip.text_keys(todo)
+            for text, caption in zip(todo, captions):
+                self._text_keys[text] = (caption, tuple(next(segment_keys) for _ in self.segments[text]))
+        return [self._text_keys[text] for text in texts]
 
     def _parse(self, texts: Sequence[str], progress: bool = False) -> None:
         todo = [text for text in unique(texts) if text not in self.segments]

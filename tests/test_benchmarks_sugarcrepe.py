@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 from pathlib import Path
 
@@ -90,6 +91,22 @@ def test_strict_comparison_makes_ties_wrong(tmp_path):
     assert benchmark.outcome(item, np.array([[0.3, 0.2]]))["correct"] is True
     assert benchmark.outcome(item, np.array([[0.3, 0.3]]))["correct"] is False
     assert benchmark.outcome(item, np.array([[0.2, 0.3]]))["correct"] is False
+
+
+def test_ties_are_recorded_per_item_and_counted(tmp_path):
+    """As every other benchmark: a tie is wrong, and the aggregate says how many items tied."""
+    for subset in SUBSETS:
+        entries = {str(k): {"filename": "1.jpg", "caption": f"a {k}", "negative_caption": "b"} for k in range(2)}
+        (tmp_path / f"{subset}.json").write_text(json.dumps(entries))
+    benchmark = SugarCrepe(tmp_path)
+    scores = {"replace_obj/0": [[0.3, 0.3]], "swap_att/1": [[0.25, 0.25]], "add_att/0": [[0.2, 0.3]]}
+    outcomes = [benchmark.outcome(item, np.array(scores.get(item.id, [[0.3, 0.2]]))) for item in benchmark.items()]
+    assert [o["id"] for o in outcomes if o["tie"]] == ["replace_obj/0", "swap_att/1"]
+    assert not any(o["correct"] for o in outcomes if o["tie"])
+    result = SugarCrepe.aggregate(outcomes)
+    assert result["ties"] == 2 and result["overall_micro"] == pytest.approx(100.0 * 11 / 14)
+    # Outcomes stored before ties were recorded cannot say how many tied: undefined, not 0.
+    assert np.isnan(SugarCrepe.aggregate([{k: v for k, v in o.items() if k != "tie"} for o in outcomes])["ties"])
 
 
 def test_hand_made_outcomes_aggregate_micro_and_macro():

@@ -205,7 +205,10 @@ def test_leakage_guard_counts_no_coco_images_for_visdial_flickr_and_vg_names(tmp
                           + ["flickr30k-images/1000092795.jpg", "VG_100K/2354786.jpg"])
     coco = NamedImages(["val2017/000000391895.jpg"])
     report = leakage.leakage_report({284024, 391895}, {"visdial": visdial, "coco": coco})
-    assert report["visdial"] == {"coco_images": 0, "overlap": 0, "overlap_percent": 0.0, "examples": []}
+    assert {key: report["visdial"][key] for key in ("coco_images", "overlap", "overlap_percent", "examples")} == \
+        {"coco_images": 0, "overlap": 0, "overlap_percent": 0.0, "examples": []}
+    # ...and says what it could not check: the VG image (no id map given) and the three others
+    assert report["visdial"]["visual_genome_images"] == 1 and report["visdial"]["unchecked"] == 4
     assert report["coco"]["overlap"] == 1 and report["coco"]["examples"] == [391895]
 
 

@@ -182,7 +182,8 @@ def test_identical_candidates_are_ties_and_wrong_through_real_benchmarks(tmp_pat
         path.write_text(json.dumps({k: {**e, "negative_caption": e["caption"]} for k, e in entries.items()}))
     outcomes = SugarCrepe(root).outcomes(scorer)
     identical = [o for o in outcomes if o["subset"] in ("replace_obj", "swap_att")]
-    assert identical and not any(o["correct"] for o in identical)
+    assert identical and not any(o["correct"] for o in identical) and all(o["tie"] for o in identical)
+    assert SugarCrepe.aggregate(outcomes)["ties"] == len(identical)
 
     checklist = VLCheckList(tmp_path / "vlc", **write_vl_checklist(tmp_path / "vlc", n_items=2))
     for item in checklist.items()[:20]:
@@ -218,3 +219,63 @@ def test_trimmed_text_tower_equals_open_clip_on_mixed_lengths():
 
 def test_text_towers_that_are_not_clips_are_not_trimmed():
     assert ClipScorer(torch.nn.Linear(1, 1), None, None).trimmed_text is None
+
+
+# Captions with punctuation that BLIP's pre_caption keeps (",", "'s", "&", "-", "?"); an ARO-Order perturbation
+# re-joins spaCy's tokens with spaces, so its text differs from the caption's only around them.
+PUNCTUATED = ["A plate of vegetables, chicken and rice.", "A man's dog, a cat and a bird on a bench.",
+              "Fish & chips, with peas, on a table.", "A black-and-white photo of a bus, parked.",
+              "What is that? A giraffe, eating leaves.", "Two cats, one dog, three birds and a horse."]
+
+
+def spaced(text: str) -> str:
+    """The text with its punctuation re-joined as separate tokens, as the perturbations write them."""
+    text = text.replace("'s", " 's")  # spaCy's clitic token
+    for mark in (",", "&", "-", "?"):
+        text = text.replace(mark, f" {mark} ")
+    return " ".join(text.split())
+
+
+def test_a_perturbation_differing_only_in_spaces_around_punctuation_is_a_counted_tie(tmp_path):
+    """COCO-Order items, each with one perturbation that is the caption re-spaced around its punctuation (the
+    CLIP tokenizer gives both the same ids), scored by the real CLIP scorer: every one is a tie, exactly, so
+    none is correct, and the aggregate counts them."""
+    import hashlib
+
+    from evaluation.benchmarks.aro import COCOOrder, pre_caption
+    from evaluation.benchmarks.standin.aro import write_aro_coco_order
+
+    root = tmp_path / "aro"
+    options = write_aro_coco_order(root, n_items=2 * len(PUNCTUATED))
+    annotation = root / COCOOrder.annotation_file
+    records = json.loads(annotation.read_text())
+    captions = iter(PUNCTUATED * 2)
+    records = [{**record, "caption": [next(captions) for _ in record["caption"]]} for record in records]
+    annotation.write_text(json.dumps(records))
+    benchmark = COCOOrder(root, **options)
+    texts = []
+    for index, caption in enumerate(PUNCTUATED * 2):
+        clean = pre_caption(caption)
+        # Other strings with the caption's token ids (the tokenizer collapses and strips whitespace), so that a
+        # tie is also the best of the negatives: the re-spaced copy visits each of the 4 negative columns.
+        others = [clean + " ", "  " + clean, clean.replace(" ", "  ", 1)]
+        others.insert(index % 4, spaced(clean))
+        texts.append([clean] + others)
+    raw = [caption for record in records for caption in record["caption"]]
+    benchmark.cache_path.write_text(json.dumps({"captions_sha1": hashlib.sha1(json.dumps(raw).encode()).hexdigest(),
+                                                "texts": texts}))
+    torch.manual_seed(0)
+    scorer = ClipScorer.from_pretrained("ViT-Tiny-16-64", None)
+    for options_of_item in texts:
+        assert len(set(options_of_item)) == 5  # five strings,
+        assert all(torch.equal(scorer.tokenizer([text]), scorer.tokenizer(options_of_item[:1]))
+                   for text in options_of_item)  # one sequence of token ids
+
+    outcomes = benchmark.outcomes(scorer)
+    assert [item.texts for item in benchmark.items()] == texts
+    assert len(scorer.texts.row) == len(PUNCTUATED)  # one embedding per token sequence, not per string
+    assert all(o["tie"] and not o["correct"] for o in outcomes), [o for o in outcomes if not o["tie"]]
+    assert not any(o["perturbation_equals_caption"] for o in outcomes)  # the strings differ
+    aggregate = COCOOrder.aggregate(outcomes)
+    assert aggregate["ties"] == len(texts) and aggregate["precision_at_1"] == 0.0
+    assert scorer.text_keys([texts[0][0]]) == scorer.text_keys([spaced(texts[0][0])])

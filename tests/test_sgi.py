@@ -473,3 +473,18 @@ def test_identical_candidates_get_bit_identical_sgi_scores(tiny, parser, refs):
     assert (result[:, 0] == result[:, 2]).all() and (result[:, 1] == result[:, 4]).all()
     assert (result[0] == result[2]).all()
     assert not (result[:, 0] == result[:, 1]).all()
+
+
+def test_token_identical_captions_get_bit_identical_sgi_scores(tiny, parser, refs):
+    """Captions differing only in spaces around punctuation have the same token ids; parsed into token-identical
+    segments, they are one candidate: scored once and tied exactly."""
+    scorer = sgi_scorer(tiny, parser, batch_size=8, global_weight=0.25)
+    caption, respaced = "a red cube, a blue ball and a dog", "a red cube , a blue ball and a dog "
+    assert scorer.text_keys([caption]) == scorer.text_keys([respaced])
+    result = scorer.score(refs, [caption, CAPTIONS[3], respaced, CAPTIONS[0]])
+    assert (result[:, 0] == result[:, 2]).all() and not (result[:, 0] == result[:, 1]).all()
+    # The parser reads the string: a double space costs "ball" its attribute, so SGI sees other segments, and
+    # the caption is another candidate although its own token ids are the same.
+    parsed_apart = "a red cube, a blue  ball and a dog"
+    assert scorer.text_keys([parsed_apart]) != scorer.text_keys([caption])
+    assert scorer.text_keys([parsed_apart])[0][0] == scorer.text_keys([caption])[0][0]

@@ -366,8 +366,8 @@ class TableScorer(AlignerScorer):
     """The real re-ranking logic with hand-made embeddings and aligner scores (counting aligner calls)."""
 
     def __init__(self, rerank_k):
-        model = build_model(TINY, None, str(Path(lightning_modules.__file__).parents[1] / "configs" / "models")).model
-        super().__init__(model, TokenAligner(64, 32, 1, 2), "local", None, None, rerank_k=rerank_k)
+        built = build_model(TINY, None, str(Path(lightning_modules.__file__).parents[1] / "configs" / "models"))
+        super().__init__(built.model, TokenAligner(64, 32, 1, 2), "local", built.tokenizer, None, rerank_k=rerank_k)
         self.image_global.add(GALLERY, torch.tensor(SIMILARITY, dtype=torch.float32))
         self.text_global.add(TEXTS, torch.eye(6))
         self.scored = []
@@ -416,3 +416,14 @@ def test_identical_candidates_get_bit_identical_aligner_scores(rerank_k):
     assert (result[:, 0] == result[:, 2]).all() and (result[:, 1] == result[:, 4]).all()
     assert (result[0] == result[2]).all()
     assert len(scorer.scored) == len(set(scorer.scored))  # each distinct pair reaches the aligner once
+
+
+def test_token_identical_candidates_are_one_candidate_of_the_aligner():
+    """"t1" and "T1" are different strings with the same CLIP token ids (the tokenizer lowercases): scored once,
+    bit-identical, as one candidate."""
+    scorer = TableScorer(rerank_k=None)
+    scorer.prepare(GALLERY, TEXTS)
+    assert scorer.text_keys(["t1"]) == scorer.text_keys(["T1"]) != scorer.text_keys(["t2"])
+    result = scorer.score(GALLERY[:2], ["t1", "t2", "T1"])
+    assert (result[:, 0] == result[:, 2]).all()
+    assert sorted(text for _, text in scorer.scored) == ["t1", "t1", "t2", "t2"]  # "T1" never reaches the aligner

@@ -19,7 +19,12 @@ COCO-Order / Flickr30k-Order: built from BLIP's Karpathy test file (`coco_karpat
 scored by strict Precision@1. The reference takes `np.argmax`, which makes a tie right here (gold is first);
 `ties` counts those items and `precision_at_1_argmax` is the reference's rule. A perturbation can reproduce
 the caption (e.g. a caption with one noun and no adjective): `identical_perturbations` counts such items,
-all of which are ties or worse. Perturbations are seeded and cached to a JSON file beside the annotations.
+all of which are ties or worse. More often a perturbation reproduces the caption's words but not its string:
+the perturbations re-join spaCy's tokens with spaces ("vegetables , chicken" for "vegetables, chicken"), which
+a CLIP tokenizer maps to the caption's token ids. Scorers tell texts apart by what their model sees
+(`Scorer.text_keys`), so those are ties too, counted in `ties` though not in `identical_perturbations` (a
+string comparison, independent of the scorer). Perturbations are seeded and cached to a JSON file beside the
+annotations.
 """
 from __future__ import annotations
 
@@ -91,6 +96,7 @@ class _VisualGenomeBenchmark(JsonListBenchmark):
     """VG-Relation and VG-Attribution share files, items and the per-item rule; they differ in grouping."""
 
     group_key = ""  # the outcome field the aggregate groups by
+    vg_images_by_id = True  # `images/<VG id>.jpg` (ARO's GQA image subset is Visual Genome's)
 
     def _item(self, path: Path, index: int, record: dict) -> Item:
         _require(path, index, record, ("image_path", "true_caption", "false_caption") + _BBOX_FIELDS)

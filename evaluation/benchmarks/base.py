@@ -13,7 +13,9 @@ is 0, and wrong on VG-Relation, whose gold index is 1. One rule for all avoids t
 tie exactly: every scorer scores an item's distinct images and texts once and indexes the result
 (`Scorer.score`), so an item whose negative equals its positive (VL-CheckList has such items, ARO-Order
 perturbations can equal the caption) gets two bit-identical scores and is wrong, whatever the float rounding of
-a matrix product would have done to two identical columns.
+a matrix product would have done to two identical columns. Texts are distinct when the model sees them differ
+(`Scorer.text_keys`: the token ids for a tokenizing scorer), not when their strings do: ARO-Order perturbations
+re-join words with spaces ("vegetables , chicken"), which CLIP's tokenizer maps to the caption's ids.
 """
 from __future__ import annotations
 
@@ -60,6 +62,20 @@ class Item:
     meta: Dict[str, object] = field(default_factory=dict)
 
 
+# Where an image comes from, as far as its name tells (`Benchmark.image_origin`): the leakage guard matches COCO
+# ids, maps Visual Genome ids to COCO ids when it has VG's id map, and can only compare the bytes of the rest.
+COCO, VISUAL_GENOME, GENERATED, OTHER = "coco", "visual_genome", "generated", "other"
+
+
+@dataclass(frozen=True)
+class ImageOrigin:
+    """An image's source dataset (`COCO`, `VISUAL_GENOME`, `GENERATED`: made for the benchmark, so in no photo
+    collection; `OTHER`: a source without a COCO mapping, or an unrecognised name) and its id there, if any."""
+
+    source: str
+    id: Optional[int] = None
+
+
 class MissingBenchmarkData(FileNotFoundError):
     """A benchmark root without the files the benchmark reads; the message lists them."""
 
@@ -96,9 +112,25 @@ class Benchmark(ABC):
         """Every image the benchmark reads (used by the leakage guard and the missing-image check)."""
         return []
 
+    # Whether the benchmark stores Visual Genome images under their bare ids (`<root>/images/2315375.jpg`: ARO's
+    # VG sets, What'sUp's GQA sets). Elsewhere a bare number is not read as a VG id: Flickr30k names look alike.
+    vg_images_by_id: bool = False
+
     def coco_image_ids(self) -> Set[int]:
-        """COCO image ids among the benchmark's images, read from COCO-style file names."""
-        return {i for i in (coco_id_from_name(ref.path) for ref in self.image_refs()) if i is not None}
+        """COCO image ids among the benchmark's images, read from COCO-style file names (for an embedded image,
+        the name recorded with it); Visual Genome images are not among them (see `image_origin`)."""
+        return {origin.id for origin in map(self.image_origin, self.image_refs()) if origin.source == COCO}
+
+    def image_origin(self, ref: ImageRef) -> ImageOrigin:
+        """Where image `ref` comes from, read from the name it was published under: a COCO file name, a Visual
+        Genome one (`VG_100K/<id>.jpg`, Visual7W's `v7w_<id>.jpg`, or `<id>.jpg` when `vg_images_by_id`), else
+        `OTHER`."""
+        name = image_file_name(ref)
+        coco = coco_id_from_name(name)
+        if coco is not None:
+            return ImageOrigin(COCO, coco)
+        vg = visual_genome_id_from_name(name, bare_ids=self.vg_images_by_id)
+        return ImageOrigin(VISUAL_GENOME, vg) if vg is not None else ImageOrigin(OTHER)
 
     def check_files(self) -> None:
         missing = [name for name in self.required_files()
@@ -187,19 +219,34 @@ class Scorer(ABC):
     Identical candidates get bit-identical scores, so that a tie is a tie and the benchmarks' strict `>` rule
     scores it wrong: `score` and `score_groups` score each distinct image, text (and text group) once and index
     the result. (Two identical columns of one matrix product can differ in the last bit on the CPU, which once
-    made identical VL-CheckList positives and negatives "correct".) Subclasses implement `score_unique` (and
-    may implement `score_unique_groups`), which are only ever called with distinct values.
+    made identical VL-CheckList positives and negatives "correct".) Texts are identical when their `text_keys`
+    are: what the model sees of them, which a tokenizing scorer makes the token ids. Subclasses implement
+    `score_unique` (and may implement `score_unique_groups`), which are only ever called with distinct values.
     """
 
     def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
         """Precompute whatever `score` will need for these images and texts (optional)."""
 
+    def text_keys(self, texts: Sequence[str]) -> list:
+        """What the model sees of each text, as a hashable key: texts with equal keys score bit-identically.
+
+        The default is the string itself. A scorer whose model reads token ids returns those, so that strings
+        its tokenizer maps to the same ids ("vegetables , chicken" and "vegetables, chicken" for CLIP's, which
+        splits punctuation off and collapses whitespace) tie exactly instead of by the luck of float rounding.
+        """
+        return list(texts)
+
     def score(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
         """Similarity matrix [len(images), len(texts)]; equal images (texts) give bit-identical rows (columns)."""
         unique_images, rows = unique_with_positions(images)
-        unique_texts, columns = unique_with_positions(texts)
+        unique_texts, columns = self.distinct_texts(texts)
         matrix = np.asarray(self.score_unique(unique_images, unique_texts))
         return matrix.reshape(len(unique_images), len(unique_texts))[np.ix_(rows, columns)]
+
+    def distinct_texts(self, texts: Sequence[str]) -> Tuple[List[str], np.ndarray]:
+        """One text per distinct key (the first seen, in first-seen order) and each text's position among them."""
+        keys, positions = unique_with_positions(self.text_keys(texts))
+        return _first_of_each(texts, positions, len(keys)), positions
 
     @abstractmethod
     def score_unique(self, images: Sequence[ImageRef], texts: Sequence[str]) -> np.ndarray:
@@ -211,7 +258,10 @@ class Scorer(ABC):
         Equal groups (a class list that repeats a name) give bit-identical columns.
         """
         unique_images, rows = unique_with_positions(images)
-        unique_groups, columns = unique_with_positions(tuple(group) for group in text_groups)
+        groups = [tuple(group) for group in text_groups]
+        keys = iter(self.text_keys([text for group in groups for text in group]))
+        group_keys, columns = unique_with_positions(tuple(next(keys) for _ in group) for group in groups)
+        unique_groups = _first_of_each(groups, columns, len(group_keys))
         matrix = np.asarray(self.score_unique_groups(unique_images, unique_groups))
         return matrix.reshape(len(unique_images), len(unique_groups))[np.ix_(rows, columns)]
 
@@ -230,6 +280,15 @@ class Scorer(ABC):
         return {"scorer": type(self).__name__}
 
 
+def _first_of_each(values: Sequence, positions: np.ndarray, count: int) -> list:
+    """For each of `count` distinct positions, the first of `values` at it (`positions[i]` is the position of
+    `values[i]`; first-seen order, as `unique_with_positions` numbers them)."""
+    first: Dict[int, object] = {}
+    for value, position in zip(values, positions.tolist()):
+        first.setdefault(position, value)
+    return [first[position] for position in range(count)]
+
+
 # COCO's own file names, matched against the whole base name: `COCO_<split>_<12 digits>.jpg` (2014 release) or
 # `<12 digits>.jpg` (2017 release). Anchored on purpose: other datasets embed COCO-like digit runs in their names
 # (VisDial's `VisualDialog_val2018_000000284024.jpg` is not COCO image 284024), and reading those as COCO ids
@@ -241,6 +300,35 @@ def coco_id_from_name(path: str) -> Optional[int]:
     """The COCO id of a COCO-named image file (`000000391895.jpg`, `COCO_val2014_000000391895.jpg`), else None."""
     match = _COCO_NAME.fullmatch(PurePath(str(path)).name)
     return int(match.group(1)) if match else None
+
+
+# Visual Genome's own folders (`VG_100K`, `VG_100K_2`) name an image by its VG id; Visual7W (VALSE existence and
+# counting) names VG image <id> `v7w_<id>.jpg`.
+_VG_FOLDERS = ("VG_100K", "VG_100K_2")
+_VG_BARE_NAME = re.compile(r"(\d+)\.jpg")
+_V7W_NAME = re.compile(r"v7w_(\d+)\.jpg")
+
+
+def visual_genome_id_from_name(path: str, bare_ids: bool = False) -> Optional[int]:
+    """The Visual Genome id of a VG-named image (`VG_100K/2354786.jpg`, `VG_100K_2/...`, `v7w_2354786.jpg`, and
+    with `bare_ids` any `2354786.jpg`), else None."""
+    pure = PurePath(str(path))
+    v7w = _V7W_NAME.fullmatch(pure.name)
+    if v7w:
+        return int(v7w.group(1))
+    bare = _VG_BARE_NAME.fullmatch(pure.name)
+    return int(bare.group(1)) if bare and (bare_ids or pure.parent.name in _VG_FOLDERS) else None
+
+
+def image_file_name(ref: ImageRef) -> str:
+    """The name image `ref` was published under: its path, or for an image embedded in a parquet file the file
+    name recorded with it (the Hugging Face image feature's `path`; the container's path when none is)."""
+    if ref.member is None:
+        return ref.path
+    from evaluation.benchmarks.images import parquet_image_names  # images.py imports this module
+
+    column, _, row = ref.member.rpartition(":")
+    return parquet_image_names(ref.path, column)[int(row)] or ref.path
 
 
 def require(condition: bool, message: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 from PIL import Image
 
@@ -53,6 +53,15 @@ def _parquet_table(path: str):
     import pyarrow.parquet as pq  # only the parquet-backed benchmarks need it
 
     return pq.read_table(path, memory_map=True)
+
+
+@lru_cache(maxsize=16)
+def parquet_image_names(path: str, column: str) -> List[Optional[str]]:
+    """The file name recorded with each image of an image column (its `path` field; None where it has none),
+    read without the image bytes."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=[f"{column}.path"]).column(0).to_pylist()
 
 
 def read_parquet_rows(path: Path, columns: Iterable[str]) -> List[dict]:

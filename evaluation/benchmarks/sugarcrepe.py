@@ -3,8 +3,10 @@
 Official files: `<root>/<subset>.json`, each `{"<key>": {"filename", "caption", "negative_caption"}}` with
 keys that are not contiguous (`swap_obj` lost "108"), so items are read by key, never by range(len). Images
 are COCO val2017 (`<images>/<filename>`). An item is correct iff cos(image, caption) > cos(image, negative),
-strictly. Category numbers (replace / swap / add) are micro averages; both overall averages are reported:
-micro over all items and macro over the 7 subsets (as vl_compo and the TFLocal paper report).
+strictly, as the reference's `>`: a tie is wrong, and `ties` counts the tied items (a negative with the
+caption's token ids, or equal scores by chance). Category numbers (replace / swap / add) are micro averages;
+both overall averages are reported: micro over all items and macro over the 7 subsets (as vl_compo and the
+TFLocal paper report).
 
 Reference numbers, OpenAI CLIP ViT-B/32 (from the BiVLC authors' per-item outcomes; tests pin both sets):
 - published, on the paper's 7,512 items: replace_obj 90.92, replace_att 80.08, replace_rel 69.20,
@@ -58,7 +60,9 @@ class SugarCrepe(ItemBenchmark):
                 for key, entry in entries.items()]
 
     def outcome(self, item: Item, similarity: np.ndarray) -> Outcome:
-        return {"id": item.id, "subset": item.meta["subset"], "correct": bool(similarity[0, 0] > similarity[0, 1])}
+        caption, negative = similarity[0, 0], similarity[0, 1]
+        return {"id": item.id, "subset": item.meta["subset"], "correct": bool(caption > negative),
+                "tie": bool(caption == negative)}
 
     @staticmethod
     def aggregate(outcomes: Sequence[Outcome]) -> Dict[str, float]:
@@ -68,4 +72,12 @@ class SugarCrepe(ItemBenchmark):
             result[category] = percent([h for s, hits in by_subset.items() if s.startswith(category) for h in hits])
         result["overall_micro"] = percent([o["correct"] for o in outcomes])
         result["overall_macro"] = float(np.mean([result[s] for s in SUBSETS]))
+        result["ties"] = _ties(outcomes)
         return result
+
+
+def _ties(outcomes: Sequence[Outcome]) -> float:
+    """Tied items; NaN when an outcome does not say (outcomes stored before ties were recorded), not 0."""
+    if any("tie" not in o for o in outcomes):
+        return float("nan")
+    return sum(bool(o["tie"]) for o in outcomes)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.benchmarks.base import (ImageRef, Item, ItemBenchmark, MissingBenchmarkData, Outcome, percent,
-                                         require)
+from evaluation.benchmarks.base import (GENERATED, ImageOrigin, ImageRef, Item, ItemBenchmark, MissingBenchmarkData,
+                                         Outcome, percent, require)
 from evaluation.benchmarks.images import read_parquet_rows
 
 SCORES = ("text", "image", "group")
@@ -252,7 +252,9 @@ class BiVLC(TwoByTwoBenchmark):
     to the name, so any `data/test-*.parquet` is read), or the hub's converted `<config>/test/*.parquet`
     (`default/test/0000.parquet`, ...); shards in name order (`find_test_shards`). Columns `image` and
     `negative_image` are embedded images; C0 = `caption`, C1 = `negative_caption`, I0 = `image`,
-    I1 = `negative_image`. An item's id is its row in the concatenated shards.
+    I1 = `negative_image`. An item's id is its row in the concatenated shards. `image` is a COCO val2017
+    photo, known to the leakage guard by the file name embedded with it (`000000397133.jpg`); `negative_image`
+    is generated (SDXL), so in no training set of photos, whatever name it carries.
 
     Args:
         root: the dataset folder (holding `data/`, or `default/` for the converted parquet).
@@ -271,6 +273,11 @@ class BiVLC(TwoByTwoBenchmark):
 
     def shards(self) -> list[Path]:
         return find_test_shards(self.root)
+
+    def image_origin(self, ref: ImageRef) -> ImageOrigin:
+        if ref.member is not None and ref.member.startswith("negative_image:"):
+            return ImageOrigin(GENERATED)
+        return super().image_origin(ref)
 
     def read_items(self) -> list[Item]:
         items: list[Item] = []

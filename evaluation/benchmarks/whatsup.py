@@ -226,6 +226,7 @@ class _CocoSpatial(_WhatsUpSpatial):
 
 class _GqaSpatial(_WhatsUpSpatial):
     image_folder = "vg_images"
+    vg_images_by_id = True  # GQA names its Visual Genome images by their VG ids
 
     def image_name(self, image_id: object) -> str:
         return f"{image_id}.jpg"
