@@ -403,7 +403,7 @@ class CocoCaptions(Dataset):
             raise UnreadableImageError(f"cannot read image {path}: {err}", path) from err
 
     def _image_and_masks(self, row: int, image: Image.Image, rng: np.random.Generator) -> Dict[str, Any]:
-        """Box-aware crop of the image, the patch mask of one sampled phrase, and the token masks."""
+        """The training crop of the image, the patch mask of one sampled phrase, and the token masks."""
         boxes = self.masks.draw_phrase_boxes(row, rng, self.geometry)
         pixels, crop = self.transform(image, boxes if boxes is not None else ())
         token_masks = self.masks.sample_token_masks(row, self.context_length)
@@ -635,7 +635,8 @@ class CocoDataModule(L.LightningDataModule):
     def _transform(self, augment: bool):
         if not self.data.masks:
             return self.train_transform if augment else self.val_transform
-        return CropResize.from_open_clip(self.image_config, train=augment, scale=self.data.crop_scale)
+        return CropResize.from_open_clip(self.image_config, train=augment, scale=self.data.crop_scale,
+                                         box_aware=self.data.box_aware_crop)
 
     def _mask_options(self, split: str) -> Dict[str, Any]:
         """Cache records and patch geometry for `data.masks`; the cache is read, never built, here."""
@@ -644,7 +645,8 @@ class CocoDataModule(L.LightningDataModule):
         from datamodules.preprocess import mask_records  # the parser/grounder settings locate the cache
 
         geometry = PatchGeometry(CropResize.from_open_clip(self.image_config, train=False).size, self.grid_size,
-                                 self.data.patch_mask_min_overlap, self.data.random_rectangle_prob)
+                                 self.data.patch_mask_min_overlap, self.data.random_rectangle_prob,
+                                 self.data.out_of_crop_boxes)
         return {"mask_records": mask_records(self.data, self.preprocess, split), "geometry": geometry,
                 "comp_mask_rule": self.data.comp_mask_rule}
 
