@@ -157,7 +157,8 @@ class DataConfig:
     # The annotation key holding the caption in a COCO-style JSON, e.g. a key with long captions.
     caption_field: str = "caption"
     # Training captions: "all" sentences, or SmartCLIP's "random_prefix": the first k sentences (split at
-    # ". "), k drawn uniformly from 1..n at every access (validation always reads the whole caption).
+    # ". " in the caption as read, not stripped), k drawn uniformly from 1..n at every access (validation always
+    # reads the whole caption).
     train_caption_sentences: str = "all"
     # Karpathy `dataset_coco.json`: which `split` values each of our splits reads. A ShareGPT4V JSON has
     # "val" (its first 1000 records, which SmartCLIP and Long-CLIP hold out) and "train" (the rest).

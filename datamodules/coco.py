@@ -96,7 +96,11 @@ def find_truncated(tokenizer: CaptionTokenizer, captions: Sequence[str], tokens:
 
 
 def random_sentence_prefix(caption: str, rng: np.random.Generator) -> str:
-    """SmartCLIP's training caption: the first k sentences (split at ". "), k uniform in 1..n, joined back."""
+    """SmartCLIP's training caption: the first k sentences (split at ". "), k uniform in 1..n, joined back.
+
+    The caption is split as it is, not stripped first (as SmartCLIP's data code): a caption ending in ". " has
+    an empty last sentence, so its whole text and the text without its final period are both drawn.
+    """
     sentences = caption.split(SENTENCE_SEPARATOR)
     return SENTENCE_SEPARATOR.join(sentences[: int(rng.integers(1, len(sentences) + 1))])
 
@@ -338,8 +342,8 @@ class CocoCaptions(Dataset):
         self._caption_ids = np.array([record.caption_id for record in records], dtype=np.int64)
 
     def _keep_texts(self, tokenizer: CaptionTokenizer, records: List[CaptionRecord]) -> None:
-        """Random sentence prefixes: keep the caption texts, tokenised at each access."""
-        self._texts, self._tokenizer = PackedTexts([record.caption for record in records]), tokenizer
+        """Random sentence prefixes: keep the caption texts as read (unstripped), tokenised at each access."""
+        self._texts, self._tokenizer = PackedTexts([record.unstripped_caption for record in records]), tokenizer
         self.context_length = tokenize_captions(tokenizer, []).shape[1]
         self.num_truncated_captions = 0  # counted per access (the sample's `truncated`)
 
