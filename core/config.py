@@ -157,7 +157,8 @@ class DataConfig:
     # The annotation key holding the caption in a COCO-style JSON, e.g. a key with long captions.
     caption_field: str = "caption"
     # Training captions: "all" sentences, or SmartCLIP's "random_prefix": the first k sentences (split at
-    # ". "), k drawn uniformly from 1..n at every access (validation always reads the whole caption).
+    # ". " in the caption as read, not stripped), k drawn uniformly from 1..n at every access (validation always
+    # reads the whole caption).
     train_caption_sentences: str = "all"
     # Karpathy `dataset_coco.json`: which `split` values each of our splits reads. A ShareGPT4V JSON has
     # "val" (its first 1000 records, which SmartCLIP and Long-CLIP hold out) and "train" (the rest).
@@ -174,10 +175,17 @@ class DataConfig:
     # Patch masks (MACCO): a random rectangle (the original's distribution, ~75% of the grid) instead of a
     # phrase's boxes with this probability.
     random_rectangle_prob: float = 0.1
-    # Fraction of a patch's area a box must cover for the patch to be masked (0 = any overlap).
+    # Fraction of a patch's area a box must cover for the patch to be masked (0 = any overlap) [ours when > 0;
+    # needs out_of_crop_boxes=drop].
     patch_mask_min_overlap: float = 0.0
+    # A phrase box the training crop cuts away (MACCO): "clamp" (the original) pulls it onto the crop, so it masks
+    # the border patches next to it; "drop" [ours] masks only patches a box overlaps inside the crop.
+    out_of_crop_boxes: str = "clamp"
     # Random-resized-crop scale range of the mask-aware training transform (bicubic, no flip).
     crop_scale: List[float] = field(default_factory=lambda: [0.9, 1.0])
+    # [ours] Re-draw that crop (up to 10 times) while it would cut away every box of the sampled phrase; false =
+    # one RandomResizedCrop draw, as the original.
+    box_aware_crop: bool = False
     # Frozen-backbone methods (TFLocal / TFGlobal): folder of cached backbone features (computed once).
     features_cache: Optional[str] = None
 
@@ -331,6 +339,7 @@ class ConfigError(ValueError):
 _CHOICES = {
     "data.on_bad_image": ("error", "skip"),
     "data.comp_mask_rule": ("every_occurrence", "first_bpe_match"),
+    "data.out_of_crop_boxes": ("clamp", "drop"),
     "optim.logit_scale_group": ("backbone", "head"),
     "checkpoint.mode": ("min", "max"),
     "preprocess.grounder": ("groundingdino", "annotations", "none"),

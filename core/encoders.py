@@ -53,6 +53,7 @@ class ImageFeatures:
     pooled: Tensor  # [B, D], the projected CLS token
     patches: Tensor  # [B, P, D], every patch through ln_post and the visual projection
     traces: Optional[List["AttentionTrace"]] = None  # per layer, with attn=True
+    grid_size: Optional[Tuple[int, int]] = None  # (rows, columns) of the patches, row-major in `patches`
 
 
 @dataclass
@@ -518,20 +519,55 @@ class CLIPEncoders(nn.Module):
         x = self.model.visual.conv1(images)
         return x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
 
+    def patch_grid(self, images: Tensor) -> Tuple[int, int]:
+        """(rows, columns) of the patches conv1 makes of images [B, 3, H, W]."""
+        conv = self.model.visual.conv1
+        (kernel_h, kernel_w), (stride_h, stride_w) = conv.kernel_size, conv.stride
+        return (images.shape[-2] - kernel_h) // stride_h + 1, (images.shape[-1] - kernel_w) // stride_w + 1
+
+    def image_positions(self, grid: Tuple[int, int], resize: bool = False) -> Tensor:
+        """The vision tower's positional embeddings [1 + rows * columns, width] for a patch grid.
+
+        The model's own grid takes them as they are. Another grid (an input of another size or aspect ratio, as
+        Grad-ECLIP explains images) needs `resize`: the patch positions, laid out on the model's grid, are resized
+        to `grid` bicubically (align_corners=False, no antialiasing, as Grad-ECLIP's code); CLS keeps its own.
+        """
+        table = self.model.visual.positional_embedding
+        own = self.grid_size
+        if tuple(grid) == own:
+            return table
+        if not resize:
+            raise ValueError(f"the images make a {grid[0]} x {grid[1]} patch grid, the model's positional "
+                             f"embeddings a {own[0]} x {own[1]} one: give images of "
+                             f"{tuple(self.model.visual.image_size)} pixels, or resize the positions "
+                             f"(encode_image(..., resize_positions=True))")
+        dtype = torch.promote_types(table.dtype, torch.float32)  # bicubic resizing needs float32 or wider
+        patches = table[1:].to(dtype).reshape(1, *own, -1).permute(0, 3, 1, 2)
+        patches = F.interpolate(patches, size=tuple(grid), mode="bicubic", align_corners=False)
+        return torch.cat([table[:1], patches.permute(0, 2, 3, 1).reshape(grid[0] * grid[1], -1).to(table.dtype)])
+
     def encode_image(self, images: Tensor, replace: Optional[Tensor] = None,
-                     mask_token: Optional[Tensor] = None, attn: bool = False) -> ImageFeatures:
-        """Encode images [B, 3, H, W]; `replace` [B, P] swaps patch embeddings for `mask_token`."""
+                     mask_token: Optional[Tensor] = None, attn: bool = False,
+                     resize_positions: bool = False) -> ImageFeatures:
+        """Encode images [B, 3, H, W]; `replace` [B, P] swaps patch embeddings for `mask_token`.
+
+        Images of another size than the model's need `resize_positions` (see `image_positions`).
+        """
         v = self.model.visual
+        grid = self.patch_grid(images)
+        positions = self.image_positions(grid, resize_positions)
         x = _replace(self.patch_embeddings(images), replace, mask_token)
         cls = v.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
-        x = torch.cat([cls, x], dim=1) + v.positional_embedding.to(x.dtype)
+        x = torch.cat([cls, x], dim=1) + positions.to(x.dtype)
         x = v.ln_pre(v.patch_dropout(x))
         x, traces = run_blocks(v.transformer, x, need_attn=attn, recompute_activations=self.recompute_activations)
-        return self.image_head(x, traces)
+        return self.image_head(x, traces, grid)
 
-    def image_head(self, x: Tensor, traces: Optional[List[AttentionTrace]] = None) -> ImageFeatures:
+    def image_head(self, x: Tensor, traces: Optional[List[AttentionTrace]] = None,
+                   grid: Optional[Tuple[int, int]] = None) -> ImageFeatures:
         """ln_post, pooling and projection of the vision tower's output sequence [B, 1 + P, width]."""
         v = self.model.visual
         x = v.ln_post(x)
         pooled = x[:, 1:].mean(dim=1) if v.pool_type == "avg" else x[:, 0]
-        return ImageFeatures(pooled=_project(pooled, v.proj), patches=_project(x[:, 1:], v.proj), traces=traces)
+        return ImageFeatures(pooled=_project(pooled, v.proj), patches=_project(x[:, 1:], v.proj), traces=traces,
+                             grid_size=grid)

@@ -32,6 +32,8 @@ class CaptionRecord:
         neg_captions: hard-negative captions, stripped (possibly none).
         neg_image_rows: NegCLIP TSV `neg_image`: data-row indices (caption ids) of the same file whose images
             are this sample's hard-negative images, as written (unchecked; possibly none).
+        raw_caption: the caption as the file gives it (ShareGPT4V: newlines as spaces), before stripping; None
+            when that is `caption`. SmartCLIP splits this text into sentences: a trailing ". " is one more.
     """
 
     caption_id: int
@@ -40,6 +42,11 @@ class CaptionRecord:
     caption: str
     neg_captions: Tuple[str, ...] = ()
     neg_image_rows: Tuple[int, ...] = ()
+    raw_caption: Optional[str] = None
+
+    @property
+    def unstripped_caption(self) -> str:
+        return self.caption if self.raw_caption is None else self.raw_caption
 
 
 # ----- reading annotation files -------------------------------------------------------------------------
@@ -106,7 +113,7 @@ def karpathy_records(path: str, document: Dict[str, Any], splits: Sequence[str])
 def _karpathy_record(image: Dict[str, Any], sentence: Dict[str, Any]) -> CaptionRecord:
     file_name = os.path.join(image.get("filepath", ""), image["filename"])
     return CaptionRecord(caption_id=int(sentence["sentid"]), image_id=int(image.get("cocoid", image["imgid"])),
-                         file_name=file_name, caption=sentence["raw"].strip())
+                         file_name=file_name, caption=sentence["raw"].strip(), raw_caption=sentence["raw"])
 
 
 def _load_json(path: str) -> Any:
@@ -128,7 +135,8 @@ def _coco_record(path: str, annotation: Dict[str, Any], file_names: Dict[int, st
                          f"data.caption_field={caption_field!r}")
     return CaptionRecord(caption_id=int(annotation["id"]), image_id=int(image_id),
                          file_name=file_names[image_id], caption=annotation[caption_field].strip(),
-                         neg_captions=_stripped(annotation.get("neg_captions", ())))
+                         neg_captions=_stripped(annotation.get("neg_captions", ())),
+                         raw_caption=annotation[caption_field])
 
 
 def _is_sharegpt4v(document: Any) -> bool:
@@ -160,8 +168,9 @@ def _sharegpt4v_record(path: str, index: int, entry: Dict[str, Any]) -> CaptionR
     file_name = entry["image"]
     is_coco = "coco" in file_name.replace("\\", "/").lower().split("/")[:-1]
     image_id = image_id_from_file_name(file_name) if is_coco else -(index + 1)
-    return CaptionRecord(caption_id=index, image_id=image_id, file_name=file_name,
-                         caption=caption.replace("\n", " ").strip())
+    caption = caption.replace("\n", " ")
+    return CaptionRecord(caption_id=index, image_id=image_id, file_name=file_name, caption=caption.strip(),
+                         raw_caption=caption)
 
 
 def read_negclip_tsv(path: str) -> List[CaptionRecord]:
@@ -183,7 +192,7 @@ def read_negclip_tsv(path: str) -> List[CaptionRecord]:
 def _negclip_record(path: str, row_index: int, row: Dict[str, str]) -> CaptionRecord:
     file_name = row["filepath"]
     return CaptionRecord(caption_id=row_index, image_id=image_id_from_file_name(file_name),
-                         file_name=file_name, caption=row["title"].strip(),
+                         file_name=file_name, caption=row["title"].strip(), raw_caption=row["title"],
                          neg_captions=_parse_caption_list(path, row_index, row["neg_caption"]),
                          neg_image_rows=_parse_row_list(path, row_index, row.get("neg_image")))
 

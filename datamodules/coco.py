@@ -96,7 +96,11 @@ def find_truncated(tokenizer: CaptionTokenizer, captions: Sequence[str], tokens:
 
 
 def random_sentence_prefix(caption: str, rng: np.random.Generator) -> str:
-    """SmartCLIP's training caption: the first k sentences (split at ". "), k uniform in 1..n, joined back."""
+    """SmartCLIP's training caption: the first k sentences (split at ". "), k uniform in 1..n, joined back.
+
+    The caption is split as it is, not stripped first (as SmartCLIP's data code): a caption ending in ". " has
+    an empty last sentence, so its whole text and the text without its final period are both drawn.
+    """
     sentences = caption.split(SENTENCE_SEPARATOR)
     return SENTENCE_SEPARATOR.join(sentences[: int(rng.integers(1, len(sentences) + 1))])
 
@@ -338,8 +342,8 @@ class CocoCaptions(Dataset):
         self._caption_ids = np.array([record.caption_id for record in records], dtype=np.int64)
 
     def _keep_texts(self, tokenizer: CaptionTokenizer, records: List[CaptionRecord]) -> None:
-        """Random sentence prefixes: keep the caption texts, tokenised at each access."""
-        self._texts, self._tokenizer = PackedTexts([record.caption for record in records]), tokenizer
+        """Random sentence prefixes: keep the caption texts as read (unstripped), tokenised at each access."""
+        self._texts, self._tokenizer = PackedTexts([record.unstripped_caption for record in records]), tokenizer
         self.context_length = tokenize_captions(tokenizer, []).shape[1]
         self.num_truncated_captions = 0  # counted per access (the sample's `truncated`)
 
@@ -403,7 +407,7 @@ class CocoCaptions(Dataset):
             raise UnreadableImageError(f"cannot read image {path}: {err}", path) from err
 
     def _image_and_masks(self, row: int, image: Image.Image, rng: np.random.Generator) -> Dict[str, Any]:
-        """Box-aware crop of the image, the patch mask of one sampled phrase, and the token masks."""
+        """The training crop of the image, the patch mask of one sampled phrase, and the token masks."""
         boxes = self.masks.draw_phrase_boxes(row, rng, self.geometry)
         pixels, crop = self.transform(image, boxes if boxes is not None else ())
         token_masks = self.masks.sample_token_masks(row, self.context_length)
@@ -635,7 +639,8 @@ class CocoDataModule(L.LightningDataModule):
     def _transform(self, augment: bool):
         if not self.data.masks:
             return self.train_transform if augment else self.val_transform
-        return CropResize.from_open_clip(self.image_config, train=augment, scale=self.data.crop_scale)
+        return CropResize.from_open_clip(self.image_config, train=augment, scale=self.data.crop_scale,
+                                         box_aware=self.data.box_aware_crop)
 
     def _mask_options(self, split: str) -> Dict[str, Any]:
         """Cache records and patch geometry for `data.masks`; the cache is read, never built, here."""
@@ -644,7 +649,8 @@ class CocoDataModule(L.LightningDataModule):
         from datamodules.preprocess import mask_records  # the parser/grounder settings locate the cache
 
         geometry = PatchGeometry(CropResize.from_open_clip(self.image_config, train=False).size, self.grid_size,
-                                 self.data.patch_mask_min_overlap, self.data.random_rectangle_prob)
+                                 self.data.patch_mask_min_overlap, self.data.random_rectangle_prob,
+                                 self.data.out_of_crop_boxes)
         return {"mask_records": mask_records(self.data, self.preprocess, split), "geometry": geometry,
                 "comp_mask_rule": self.data.comp_mask_rule}
 

@@ -8,14 +8,17 @@ parser found; "first_bpe_match" is MACCO's original rule (`parsers.token_alignme
 the words of the cached scene graph by `composition_words`). The patch mask is drawn per sample: with probability
 `random_rectangle_prob` a random rectangle of the patch grid (MACCO's distribution,
 `parsers.grounding.random_rectangle_mask`), otherwise the boxes of one phrase of the caption, sampled uniformly,
-mapped through the sample's crop (MACCO). Everything is stored in flat numpy arrays indexed by offsets, so forked
+mapped through the sample's crop by `PatchGeometry.out_of_crop_boxes`: "clamp" (MACCO's original rule,
+`clamped_boxes_patch_mask`) pulls every edge that leaves the crop back onto it, so a box the crop cut away still
+masks the border patches next to it; "drop" [ours] clips the boxes to the crop and masks the patches they overlap
+there, so such a box masks nothing. Everything is stored in flat numpy arrays indexed by offsets, so forked
 DataLoader workers share it instead of copying Python objects.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,16 +30,33 @@ COMP_MASK_RULES = ("every_occurrence", "first_bpe_match")
 # Text the parser leaves between the words of one relation that MACCO's relation strings contain: "to the
 # left of" is the relation "to left of" of the cached graph, and one string, "the" included, in the original.
 _RELATION_GAP = re.compile(r"\s+(?:the\s+)?", re.IGNORECASE)
+OUT_OF_CROP_BOXES = ("clamp", "drop")
+# MACCO's box -> patch rule takes this much (network-input pixels) off a box's right and bottom edges, so that an
+# edge lying on a patch boundary does not reach into the next patch.
+_EDGE_EPSILON = 1e-5
 
 
 @dataclass
 class PatchGeometry:
-    """Where a sample's pixels land on the ViT patch grid."""
+    """Where a sample's pixels land on the ViT patch grid.
+
+    `out_of_crop_boxes`: "clamp" (MACCO's original) or "drop" [ours], see the module. `min_overlap` > 0 [ours]
+    belongs to "drop": the original masks every patch a box touches.
+    """
 
     image_size: int
     grid_size: int
     min_overlap: float = 0.0
     random_rectangle_prob: float = 0.1
+    out_of_crop_boxes: str = "clamp"
+
+    def __post_init__(self):
+        if self.out_of_crop_boxes not in OUT_OF_CROP_BOXES:
+            raise ValueError(f"data.out_of_crop_boxes={self.out_of_crop_boxes!r} is not one of "
+                             f"{', '.join(OUT_OF_CROP_BOXES)}")
+        if self.min_overlap > 0 and self.out_of_crop_boxes == "clamp":
+            raise ValueError(f"data.patch_mask_min_overlap={self.min_overlap} needs data.out_of_crop_boxes=drop: the "
+                             f"original's clamping rule masks every patch a box touches (set it to 0, or use drop)")
 
 
 class CaptionMasks:
@@ -102,9 +122,58 @@ class CaptionMasks:
 
     @staticmethod
     def patch_mask(boxes: Optional[np.ndarray], crop, rng: np.random.Generator, geometry: PatchGeometry) -> np.ndarray:
+        """Bool [grid * grid]: a random rectangle (`boxes` None), else the patches of the boxes in the crop."""
         if boxes is None:
             return random_rectangle_mask(rng, geometry.grid_size)
-        return boxes_to_patch_mask(boxes, crop, geometry.image_size, geometry.grid_size, geometry.min_overlap)
+        return BOX_PATCH_RULES[geometry.out_of_crop_boxes](boxes, crop, geometry)
+
+
+def clamped_boxes_patch_mask(boxes: np.ndarray, crop: Sequence[float], output_size: int, grid: int) -> np.ndarray:
+    """MACCO's original box -> patch rule [code]: bool [grid * grid], row-major.
+
+    Each box (original pixels, xyxy) moves into the crop (top, left, height, width) with every edge clamped on its
+    own side only: the left / top edge to >= 0, the right / bottom edge to <= the crop's width / height; then it
+    is scaled to the output_size x output_size network input. The patches masked are the rows and columns from
+    floor(lo / patch) to floor((hi - 1e-5) / patch), each index clamped into 0..grid-1. A box wholly beyond one
+    side of the crop thus lands on the border row or column on that side; a box touching a patch boundary does not
+    reach the next patch.
+    """
+    xyxy = np.asarray([box[:4] for box in boxes], dtype=np.float64).reshape(-1, 4)
+    top, left, height, width = (float(v) for v in crop)
+    scale_x, scale_y = output_size / width, output_size / height
+    x0 = np.maximum(xyxy[:, 0] - left, 0.0) * scale_x
+    y0 = np.maximum(xyxy[:, 1] - top, 0.0) * scale_y
+    x1 = np.minimum(xyxy[:, 2] - left, width) * scale_x
+    y1 = np.minimum(xyxy[:, 3] - top, height) * scale_y
+    patch = output_size / grid
+    columns = _clamped_patch_span(x0, x1, patch, grid)  # [N, G]
+    rows = _clamped_patch_span(y0, y1, patch, grid)
+    return (rows[:, :, None] & columns[:, None, :]).any(axis=0).reshape(-1)
+
+
+def _clamped_patch_span(lo: np.ndarray, hi: np.ndarray, patch: float, grid: int) -> np.ndarray:
+    """[N, G]: patch indices first..last, first = floor(lo / patch), last = floor((hi - eps) / patch), both clamped
+    into the grid (Python's float floor division, as the original)."""
+    first = np.clip(np.floor_divide(lo, patch), 0, grid - 1)
+    last = np.clip(np.floor_divide(hi - _EDGE_EPSILON, patch), 0, grid - 1)
+    index = np.arange(grid)
+    return (index >= first[:, None]) & (index <= last[:, None])
+
+
+def _clamp_rule(boxes: np.ndarray, crop, geometry: PatchGeometry) -> np.ndarray:
+    return clamped_boxes_patch_mask(boxes, crop, geometry.image_size, geometry.grid_size)
+
+
+def _drop_rule(boxes: np.ndarray, crop, geometry: PatchGeometry) -> np.ndarray:
+    """[ours] The boxes clipped to the crop; a patch is masked when one overlaps it (by `min_overlap` of its area)."""
+    return boxes_to_patch_mask(boxes, crop, geometry.image_size, geometry.grid_size, geometry.min_overlap)
+
+
+# data.out_of_crop_boxes -> (boxes [K, 4], crop, geometry) -> bool [grid * grid]
+BOX_PATCH_RULES: Dict[str, Callable[[np.ndarray, Sequence[float], PatchGeometry], np.ndarray]] = {
+    "clamp": _clamp_rule,
+    "drop": _drop_rule,
+}
 
 
 def _unpack(bits: np.ndarray, context_length: int) -> np.ndarray:

@@ -2,9 +2,11 @@
 
 `CropResize` reproduces open_clip's transforms as "crop a region of the original image, resize it to
 size x size (bicubic), normalise", and returns the crop so that grounding boxes can be mapped onto ViT
-patches (`parsers.grounding.boxes_to_patch_mask`). Training: a RandomResizedCrop region (scale 0.9-1.0 by
-default, no flip, so boxes stay valid), re-drawn a few times when it would cut away every box of the sampled
-phrase (box-aware). Evaluation: the centred square of side min(width, height), which is what open_clip's
+patches (`datamodules.masks`). Training: one torchvision `RandomResizedCrop.get_params` draw (scale 0.9-1.0 by
+default, ratio 3/4-4/3; torchvision itself tries 10 times for a region of that scale and ratio inside the image,
+then falls back to a centre crop), no flip, so boxes stay valid: MACCO's training transform. With `box_aware`
+[ours] the whole draw is repeated, up to `BOX_AWARE_TRIES` times, while the region would cut away every box of
+the sampled phrase. Evaluation: the centred square of side min(width, height), which is what open_clip's
 resize-shortest-side + centre-crop shows.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 
 Crop = Tuple[int, int, int, int]  # top, left, height, width in original pixels
-BOX_AWARE_TRIES = 10
+BOX_AWARE_TRIES = 10  # [ours] draws of a box-aware training crop; the last one is kept if none keeps a box
 
 
 @dataclass
@@ -29,23 +31,32 @@ class CropResize:
     train: bool = False
     scale: Tuple[float, float] = (0.9, 1.0)
     ratio: Tuple[float, float] = (3 / 4, 4 / 3)
+    box_aware: bool = False
 
     @classmethod
-    def from_open_clip(cls, preprocess_cfg: dict, train: bool, scale: Sequence[float] = (0.9, 1.0)) -> "CropResize":
+    def from_open_clip(cls, preprocess_cfg: dict, train: bool, scale: Sequence[float] = (0.9, 1.0),
+                       box_aware: bool = False) -> "CropResize":
         """From an open_clip model's `visual.preprocess_cfg` (size, mean, std)."""
         size = preprocess_cfg["size"]
         size = size[0] if isinstance(size, (tuple, list)) else size
-        return cls(int(size), preprocess_cfg["mean"], preprocess_cfg["std"], train, tuple(scale))
+        return cls(int(size), preprocess_cfg["mean"], preprocess_cfg["std"], train, tuple(scale), box_aware=box_aware)
 
     def sample_crop(self, image: Image.Image, boxes: Sequence[Sequence[float]] = ()) -> Crop:
-        """The region to keep; in training, re-drawn while it would cut away every box given."""
+        """The region to keep; in training one RandomResizedCrop draw, re-drawn with `box_aware` while it would
+        cut away every box given."""
         if not self.train:
             return center_square(image.width, image.height)
+        if not self.box_aware or len(boxes) == 0:
+            return self._random_resized_crop(image)
         for _ in range(BOX_AWARE_TRIES):
-            crop = tuple(RandomResizedCrop.get_params(image, list(self.scale), list(self.ratio)))
-            if len(boxes) == 0 or any(box_overlaps_crop(box, crop) for box in boxes):
+            crop = self._random_resized_crop(image)
+            if any(box_overlaps_crop(box, crop) for box in boxes):
                 return crop
         return crop
+
+    def _random_resized_crop(self, image: Image.Image) -> Crop:
+        """torchvision's RandomResizedCrop region (from torch's global generator, as the transform draws it)."""
+        return tuple(RandomResizedCrop.get_params(image, list(self.scale), list(self.ratio)))
 
     def apply(self, image: Image.Image, crop: Crop) -> torch.Tensor:
         top, left, height, width = crop

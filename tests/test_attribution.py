@@ -30,6 +30,7 @@ from lightning_modules.attribution.library import (
                                                    draw_word_replacements,
                                                    group_means,
                                                    image_grad_eclip,
+                                                   image_grad_eclip_grid,
                                                    splice_words,
                                                    text_attribution,
                                                    token_kinds,
@@ -634,6 +635,70 @@ def test_image_lambda_is_normalised_over_patches_only(ctx):
         attn.in_proj_weight[width:2 * width] = attn.in_proj_weight[:width]
         attn.in_proj_bias[width:2 * width] = attn.in_proj_bias[:width]
     assert_image_maps_match(model, ctx.images, ctx.text, "multi")
+
+
+def any_size_block_input(model, image: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    """The residual stream entering the last ViT block [N, W] for an image of any size, as Grad-ECLIP's code
+    embeds one: CLS then conv1's patches row by row; the patch position table, laid out on the model's grid,
+    resized bicubically (align_corners=False) to the image's grid; ln_pre; every block but the last."""
+    v = model.visual
+    with torch.no_grad():
+        patches = v.conv1(image[None])[0]  # [W, rows, columns]
+        grid = tuple(patches.shape[-2:])
+        table = v.positional_embedding[1:].T.reshape(1, -1, *v.grid_size)  # [1, W, model rows, model columns]
+        resized = F.interpolate(table, size=grid, mode="bicubic", align_corners=False)[0].flatten(1).T
+        x = torch.cat([v.class_embedding[None], patches.flatten(1).T])
+        x = v.ln_pre(x + torch.cat([v.positional_embedding[:1], resized]))
+        for block in v.transformer.resblocks[:-1]:
+            x = block(x[None])[0]
+    return x, grid
+
+
+def reference_any_size_image_map(model, image: Tensor, text: Tensor, heads: str) -> tuple[Tensor, Tensor]:
+    """The grid map [rows, columns] (relu'd, unscaled) of an image of any size, and its bilinear upsampling to
+    the image after min-max, with the last block by hand as `reference_image_map`."""
+    x, grid = any_size_block_input(model, image)
+    block = model.visual.transformer.resblocks[-1]
+    x, record = naive_block(block, x, 0.0, block.attn.num_heads if heads == "multi" else 1)
+    pooled = model.visual.ln_post(x[0]) @ model.visual.proj
+    (grad,) = torch.autograd.grad(cosine(pooled, text), [record.context])
+    values = eclip_map([record], [grad], 0, list(range(1, len(x))), len(x))[1:].view(grid)
+    scaled = (values - values.min()) / (values.max() - values.min())
+    upsampled = F.interpolate(scaled[None, None], size=tuple(image.shape[-2:]), mode="bilinear", align_corners=False)
+    return values, upsampled[0, 0]
+
+
+@pytest.mark.parametrize("heads", ["single", "multi"])
+@pytest.mark.parametrize("height, width", [(64, 96), (96, 48), (32, 64), (128, 128)])
+def test_image_grad_eclip_runs_on_the_images_own_patch_grid(ctx, heads, height, width):
+    """Grad-ECLIP explains aspect-preserving inputs: the ViT runs on the image's own patch grid, its positional
+    embeddings resized to it; the map has that grid's shape (rows by columns) and is upsampled to the image."""
+    images = torch.randn(2, 3, height, width, generator=torch.Generator().manual_seed(2))
+    grid, _ = image_grad_eclip_grid(ctx.encoders, images, ctx.text[:2], heads=heads)
+    maps = image_grad_eclip(ctx.encoders, images, ctx.text[:2], heads=heads).detach()
+    references = [reference_any_size_image_map(ctx.model, image, text, heads) for image, text in zip(images, ctx.text)]
+    assert grid.shape == (2, height // 16, width // 16) and maps.shape == (2, height, width)
+    assert_close(grid.detach(), torch.stack([raw for raw, _ in references]))
+    assert_close(maps, torch.stack([upsampled for _, upsampled in references]))
+
+
+def test_at_the_models_size_nothing_is_resized(ctx):
+    """A square input of the model's size keeps the model's own positional embeddings, so its maps are the ones
+    computed through open_clip's own forward (`reference_image_map`)."""
+    assert ctx.encoders.image_positions((4, 4), resize=True) is ctx.model.visual.positional_embedding
+    assert_image_maps_match(ctx.model, ctx.images, ctx.text, "single")
+
+
+def test_another_size_needs_resized_positions(ctx):
+    wide = torch.randn(1, 3, 64, 96)
+    with pytest.raises(ValueError, match=r"a 4 x 6 patch grid, the model's positional embeddings a 4 x 4 one"):
+        ctx.encoders.encode_image(wide)
+    with torch.no_grad():
+        pooled = ctx.encoders.encode_image(wide, resize_positions=True).pooled[0]
+        x, _ = any_size_block_input(ctx.model, wide[0])
+        last = ctx.model.visual.transformer.resblocks[-1](x[None])[0]
+        expected = ctx.model.visual.ln_post(last[0]) @ ctx.model.visual.proj
+    assert_close(pooled, expected)
 
 
 def test_image_grad_eclip_rejects_unknown_heads(ctx):

@@ -8,7 +8,9 @@ import open_clip
 import pytest
 import torch
 from PIL import Image
+from torchvision.transforms import Compose, InterpolationMode, Normalize, RandomResizedCrop, ToTensor
 
+from core.config import REPO_ROOT, load_config
 from datamodules.annotations import read_annotation_file
 from datamodules.coco import CocoCaptions, read_image_ids
 from datamodules.transforms import CropResize, box_overlaps_crop, center_square
@@ -77,9 +79,33 @@ def test_eval_transform_matches_open_clip_preprocessing():
     assert (ours - theirs).abs().mean() < 0.05  # same region, same resize; rounding differs slightly
 
 
+def test_the_paper_config_draws_the_training_crop_as_torchvision_does():
+    """configs/macco.yaml: MACCO's RandomResizedCrop(224, scale (0.9, 1.0), bicubic), one draw per sample, the same
+    region and pixels for the same generator state, also when that region cuts away the phrase's only box."""
+    cfg = load_config([REPO_ROOT / "configs" / "macco.yaml"])
+    mean, std = (0.48, 0.45, 0.40), (0.26, 0.26, 0.27)
+    ours = CropResize.from_open_clip({"size": 224, "mean": mean, "std": std}, train=True, scale=cfg.data.crop_scale,
+                                     box_aware=cfg.data.box_aware_crop)
+    official = RandomResizedCrop(224, scale=(0.9, 1.0), interpolation=InterpolationMode.BICUBIC)
+    pixels = Compose([official, ToTensor(), Normalize(mean, std)])
+    image = Image.effect_mandelbrot((240, 220), (-2, -1, 1, 1), 50).convert("RGB")
+    corner_box = [(0.0, 0.0, 3.0, 3.0)]
+    missed, crops = 0, set()
+    for seed in range(30):
+        torch.manual_seed(seed)
+        tensor, crop = ours(image, corner_box)
+        torch.manual_seed(seed)
+        assert crop == tuple(official.get_params(image, official.scale, official.ratio))
+        torch.manual_seed(seed)
+        assert torch.equal(tensor, pixels(image))
+        missed += not box_overlaps_crop(corner_box[0], crop)
+        crops.add(crop)
+    assert missed > 0 and len(crops) > 20  # random regions; those that cut the box away are kept, not re-drawn
+
+
 def test_training_crop_is_box_aware_and_seeded():
     image = Image.new("RGB", (200, 100))
-    transform = CropResize(32, (0.5,) * 3, (0.5,) * 3, train=True, scale=(0.05, 0.1))
+    transform = CropResize(32, (0.5,) * 3, (0.5,) * 3, train=True, scale=(0.05, 0.1), box_aware=True)
     corner_box = [(0.0, 0.0, 50.0, 50.0)]
     torch.manual_seed(0)
     blind = [transform.sample_crop(image) for _ in range(50)]

@@ -15,7 +15,8 @@ from torchvision import transforms
 from core.encoders import CLIPEncoders, build_model
 from core.export import export_model, load_export
 from evaluation.benchmarks.standin.images import write_image
-from lightning_modules.attribution.explain import display_image, main, token_pieces
+from lightning_modules.attribution.explain import (display_image, explain, main, model_input, prepare_inputs,
+                                                   token_pieces)
 from lightning_modules.attribution.library import (AttributionOptions, TextAttributionInputs, text_attribution,
                                                    word_end_table)
 
@@ -26,6 +27,8 @@ CAPTION = "a red square left of a zyxwvut circle"
 CAPTION_PIECES = ["a", "red", "square", "left", "of", "a", "zy", "x", "wv", "ut", "circle"]
 SECOND_CAPTION = "a blue circle"
 DPI_PIXELS_WIDE, ROW_PIXELS_HIGH = 1100, 360  # figsize (11, 3.6 per row) at 100 dpi
+PATCH = 16  # ViT-Tiny-16-64: 64 px input, a 4 x 4 patch grid
+OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +46,26 @@ def image_path(tmp_path_factory) -> Path:
     return write_image(tmp_path_factory.mktemp("images") / "scene.png", seed=0, size=(48, 40))
 
 
-def reference_rows(export_dir: Path, image_path: Path, captions, method: str, options: AttributionOptions):
+def reference_input(built, image: Image.Image, resize: str = "aspect") -> torch.Tensor:
+    """The pixels the model explains: the validation transform ("square"), or Grad-ECLIP's input ("aspect", for
+    images with sides up to 640): each side resized to the nearest multiple of the patch side (16), bicubic."""
+    if resize == "square":
+        return built.preprocess_val(image)
+    width, height = image.size
+    size = (int(height / PATCH + 0.5) * PATCH, int(width / PATCH + 0.5) * PATCH)
+    return transforms.Compose([transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC),
+                               transforms.ToTensor(), transforms.Normalize(OPENAI_MEAN, OPENAI_STD)])(image)
+
+
+def reference_rows(export_dir: Path, image_path: Path, captions, method: str, options: AttributionOptions,
+                   resize: str = "aspect"):
     """Similarity and content-token attributions computed directly with the attribution library."""
     built = load_export(export_dir)
     encoders = CLIPEncoders(built.model.eval())
-    pixels = built.preprocess_val(Image.open(image_path).convert("RGB")).unsqueeze(0).repeat(len(captions), 1, 1, 1)
+    pixels = reference_input(built, Image.open(image_path).convert("RGB"), resize)
+    pixels = pixels.unsqueeze(0).repeat(len(captions), 1, 1, 1)
     ids = built.tokenizer(list(captions))
-    image = F.normalize(encoders.encode_image(pixels).pooled.detach(), dim=-1)
+    image = F.normalize(encoders.encode_image(pixels, resize_positions=True).pooled.detach(), dim=-1)
     inputs = TextAttributionInputs(encoders, ids, image, encoders.encode_text(ids, attn=True),
                                    word_end_table(built.tokenizer, built.model.vocab_size))
     attribution, similarity = text_attribution(method, inputs, options).detach(), inputs.target.detach()
@@ -101,6 +117,47 @@ def test_model_end_to_end_with_attention_options(run_dir, image_path, tmp_path, 
     # the model's own layer-0 attention differs: the flags reached the attribution
     other = reference_rows(run_dir / "export", image_path, [CAPTION], "attention", AttributionOptions(layers=[0]))
     assert report["rows"][0]["attributions"] != pytest.approx(other[0][1], rel=1e-3, abs=1e-4)  # beyond rounding
+
+
+@pytest.mark.parametrize("width, height, shape", [
+    (96, 64, (64, 96)),  # already multiples of the patch
+    (48, 40, (48, 48)),  # 2.5 patches round up
+    (70, 20, (16, 64)),  # 1.25 and 4.375 patches round down
+    (5, 30, (32, 16)),  # under half a patch: one patch
+    (1000, 700, (640, 912)),  # shorter side over 640: 914 x 640 first, then 57 patches of 16 across
+])
+def test_aspect_input_keeps_the_image_and_rounds_its_sides_to_the_patch(width, height, shape):
+    built = build_model(MODEL, None, "configs/models")
+    image = Image.effect_mandelbrot((width, height), (-2, -1, 1, 1), 30).convert("RGB")
+    pixels = model_input(built, image, "aspect")
+    assert pixels.shape == (3, *shape)
+    if max(width, height) <= 640:  # no shrink first: one bicubic resize straight to the rounded size
+        expected = transforms.Compose([transforms.Resize(shape, interpolation=transforms.InterpolationMode.BICUBIC),
+                                       transforms.ToTensor(), transforms.Normalize(OPENAI_MEAN, OPENAI_STD)])(image)
+        assert torch.equal(pixels, expected)
+    assert torch.equal(model_input(built, image, "square"), built.preprocess_val(image))
+
+
+def test_non_square_image_is_explained_on_its_own_patch_grid(run_dir, tmp_path, capsys):
+    wide = write_image(tmp_path / "wide.png", seed=1, size=(96, 64))
+    out = tmp_path / "wide_map.png"
+    main(["--run", str(run_dir), "--image", str(wide), "--text", CAPTION, "--heads", "single", "--out", str(out)])
+    options = AttributionOptions(heads="single")
+    expected = reference_rows(run_dir / "export", wide, [CAPTION], "grad_eclip", options)
+    report = check_outputs(out, 1, expected, capsys.readouterr().out)
+    assert report["resize"] == "aspect"
+    # the map covers the whole 64 x 96 input (a 4 x 6 patch grid), not a square crop of it
+    built = load_export(run_dir / "export")
+    pixels, ids = prepare_inputs(built, Image.open(wide).convert("RGB"), [CAPTION], torch.device("cpu"))
+    assert pixels.shape == (1, 3, 64, 96)
+    (row,) = explain(built, pixels, ids, [CAPTION], "grad_eclip", options)
+    assert row.heat_map.shape == (64, 96) and row.heat_map.min() >= 0 and row.heat_map.max() <= 1
+    # --resize square: the validation transform's 64 x 64 centre crop, as before
+    main(["--run", str(run_dir), "--image", str(wide), "--text", CAPTION, "--heads", "single", "--resize", "square",
+          "--out", str(out)])
+    square = reference_rows(run_dir / "export", wide, [CAPTION], "grad_eclip", options, resize="square")
+    assert check_outputs(out, 1, square, capsys.readouterr().out)["resize"] == "square"
+    assert square[0][0] != pytest.approx(expected[0][0], rel=1e-4, abs=1e-4)  # another input, another cosine
 
 
 def test_token_pieces_decode_bytes_and_strip_word_ends():

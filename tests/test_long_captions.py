@@ -85,6 +85,38 @@ def test_random_sentence_prefix_draws_1_to_n_sentences_uniformly():
     assert random_sentence_prefix("One sentence only.", rng) == "One sentence only."
 
 
+def official_prefixes(answer: str) -> list:
+    """SmartCLIP's training caption rule, written out: newlines become spaces, the text is split at ". " as it is
+    (not stripped), and the first k pieces are joined back, for every k in 1..n."""
+    pieces = answer.replace("\n", " ").split(". ")
+    return [". ".join(pieces[:k]) for k in range(1, len(pieces) + 1)]
+
+
+@pytest.mark.parametrize("answer, count", [
+    ("A cat sleeps. A dog barks. ", 3),  # a trailing ". ": an empty last sentence
+    ("A cat sleeps. A dog barks.\n", 3),  # the same once the newline is a space
+    ("One. . Two. ", 4),
+    ("A cat sleeps.\nA dog barks.", 2),  # nothing to strip: the same either way
+])
+def test_sentence_prefixes_split_the_caption_as_read_not_stripped(tmp_path, tokenizer, transform, answer, count):
+    Image.new("RGB", (40, 40)).save(tmp_path / "1.png")
+    entry = {"id": "0", "image": "1.png", "conversations": [{"from": "human", "value": "<image>\nDescribe it."},
+                                                          {"from": "gpt", "value": answer}]}
+    (tmp_path / "share.json").write_text(json.dumps([entry]))
+    data = CocoCaptions(tmp_path / "share.json", tmp_path, tokenizer, transform, karpathy_splits=("val",),
+                        caption_sentences="random_prefix")
+    drawn = {tuple(data[(0, seed)]["text"].tolist()) for seed in range(60)}
+    expected = {tuple(tokenizer([prefix])[0].tolist()) for prefix in official_prefixes(answer)}
+    assert len(expected) == count and drawn == expected
+    # a COCO JSON's long-caption field is split as read too
+    document = {"images": [{"id": 1, "file_name": "1.png"}],
+                "annotations": [{"id": 7, "image_id": 1, "caption": "a cat", "long": answer.replace("\n", " ")}]}
+    (tmp_path / "long.json").write_text(json.dumps(document))
+    data = CocoCaptions(tmp_path / "long.json", tmp_path, tokenizer, transform, caption_field="long",
+                        caption_sentences="random_prefix")
+    assert {tuple(data[(0, seed)]["text"].tolist()) for seed in range(60)} == expected
+
+
 @pytest.fixture
 def long_dir(tmp_path: Path) -> Path:
     """Two images; caption 0 has 5 sentences, caption 1 a last sentence that passes 248 tokens."""

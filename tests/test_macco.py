@@ -578,7 +578,9 @@ def test_our_recipe_differs_from_the_paper_config_only_in_our_options():
     assert differences == {"experiment": ("macco_coco", "macco_ours_coco"),
                            "method.key_padding_mask": (False, True),
                            "optim.logit_scale_group": ("head", "backbone"),
-                           "optim.head_decay_1d": (True, False)}
+                           "optim.head_decay_1d": (True, False),
+                           "data.out_of_crop_boxes": ("clamp", "drop"),
+                           "data.box_aware_crop": (False, True)}
 
 
 # ----- a fit on the shapes world and its export ----------------------------------------------------------

@@ -98,3 +98,100 @@ def test_the_datamodule_passes_the_configured_rule(monkeypatch):
                                 image_config={"size": 224, "mean": (0.5,) * 3, "std": (0.5,) * 3}, grid_size=7)
     options = datamodule._mask_options("train")
     assert options["comp_mask_rule"] == "first_bpe_match" and options["geometry"].grid_size == 7
+
+
+# ----- phrase boxes -> patch mask: boxes the training crop cuts away --------------------------------------
+def reference_clamped_mask(boxes, crop, output_size: int, grid: int) -> np.ndarray:
+    """MACCO's original box -> patch rule, written out box by box and patch by patch in plain Python floats.
+
+    Each edge of a box is moved into the crop and clamped on its own side only (left / top to >= 0, right /
+    bottom to <= the crop's width / height), scaled to the network input, and the patch indices from
+    floor(lo / patch) to floor((hi - 1e-5) / patch) are each clamped into the grid.
+    """
+    top, left, height, width = (float(v) for v in crop)
+    patch, scale_x, scale_y = output_size / grid, output_size / width, output_size / height
+    mask = np.zeros((grid, grid), dtype=bool)
+    for x0, y0, x1, y1 in ([float(v) for v in box[:4]] for box in boxes):
+        lo_x, hi_x = max(x0 - left, 0.0) * scale_x, min(x1 - left, width) * scale_x
+        lo_y, hi_y = max(y0 - top, 0.0) * scale_y, min(y1 - top, height) * scale_y
+        first_col, last_col = (min(max(int(v // patch), 0), grid - 1) for v in (lo_x, hi_x - 1e-5))
+        first_row, last_row = (min(max(int(v // patch), 0), grid - 1) for v in (lo_y, hi_y - 1e-5))
+        for row in range(first_row, last_row + 1):
+            for col in range(first_col, last_col + 1):
+                mask[row, col] = True
+    return mask.reshape(-1)
+
+
+def patches(rows, cols, grid: int = 7) -> list:
+    return sorted(r * grid + c for r in rows for c in cols)
+
+
+CROP = (20, 40, 160, 200)  # top, left, height, width in original pixels; output 224, 7 x 7 patches of 32
+PARTLY_OUTSIDE = (10.0, 50.0, 100.0, 120.0)  # left edge before the crop: columns 0..2, rows 1..4
+BEYOND_RIGHT = (260.0, 60.0, 290.0, 90.0)  # wholly right of the crop: column 6, rows 1..3
+BEYOND_TOP_LEFT = (0.0, 0.0, 30.0, 10.0)  # wholly above and left: the corner patch 0
+BEYOND_BOTTOM = (100.0, 190.0, 150.0, 240.0)  # wholly below: row 6, columns 2..3
+
+
+@pytest.mark.parametrize("box, expected", [
+    (PARTLY_OUTSIDE, patches(range(1, 5), range(0, 3))),
+    (BEYOND_RIGHT, patches(range(1, 4), [6])),
+    (BEYOND_TOP_LEFT, [0]),
+    (BEYOND_BOTTOM, patches([6], range(2, 4))),
+])
+def test_clamp_puts_boxes_outside_the_crop_on_its_border_patches(box, expected):
+    clamp = CaptionMasks.patch_mask(np.array([box], np.float32), CROP, None, PatchGeometry(224, 7))
+    assert masked(clamp) == expected
+    assert np.array_equal(clamp, reference_clamped_mask([box], CROP, 224, 7))
+    drop = CaptionMasks.patch_mask(np.array([box], np.float32), CROP, None,
+                                   PatchGeometry(224, 7, out_of_crop_boxes="drop"))
+    assert masked(drop) == (expected if box == PARTLY_OUTSIDE else [])  # ours: a box cut away masks nothing
+
+
+def test_clamp_follows_the_original_rule_on_random_boxes_and_crops():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        width, height = rng.integers(50, 400, size=2)
+        crop = (int(rng.integers(0, 40)), int(rng.integers(0, 40)), int(height), int(width))
+        corners = rng.uniform(-50, 500, size=(int(rng.integers(1, 4)), 2, 2))
+        boxes = np.concatenate([corners.min(axis=1), corners.max(axis=1)], axis=1).astype(np.float32)
+        grid, size = [(7, 224), (4, 64), (14, 224)][int(rng.integers(3))]
+        assert np.array_equal(CaptionMasks.patch_mask(boxes, crop, rng, PatchGeometry(size, grid)),
+                              reference_clamped_mask(boxes, crop, size, grid)), (boxes, crop)
+    assert not CaptionMasks.patch_mask(np.zeros((0, 4), np.float32), CROP, rng, PatchGeometry(224, 7)).any()
+
+
+def test_patch_geometry_refuses_unknown_rules_and_an_overlap_threshold_with_clamp():
+    with pytest.raises(ValueError, match="out_of_crop_boxes='clip' is not one of clamp, drop"):
+        PatchGeometry(224, 7, out_of_crop_boxes="clip")
+    with pytest.raises(ValueError, match="patch_mask_min_overlap=0.5 needs data.out_of_crop_boxes=drop"):
+        PatchGeometry(224, 7, min_overlap=0.5)
+    PatchGeometry(224, 7, min_overlap=0.5, out_of_crop_boxes="drop")
+
+
+def test_the_dataset_clamps_a_box_outside_its_crop_onto_the_border(tmp_path):
+    caption = "a man on a horse"
+    Image.new("RGB", (96, 48)).save(tmp_path / "1.png")  # evaluation crop: the centred 48 x 48 square at x 24..72
+    (tmp_path / "captions.json").write_text(json.dumps({
+        "images": [{"id": 1, "file_name": "1.png", "height": 48, "width": 96}],
+        "annotations": [{"id": 1, "image_id": 1, "caption": caption}]}))
+    rec = record(caption, [[("on", 0)]], [])
+    rec["phrases"] = [{"text": "a man", "boxes": [[2.0, 30.0, 12.0, 40.0, 0.9]]}]  # left of the crop, lower half
+    transform = CropResize(32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    expected = {"clamp": [2], "drop": []}  # 2 x 2 grid: the lower-left patch, or nothing
+    for rule, patch_indices in expected.items():
+        data = CocoCaptions(tmp_path / "captions.json", tmp_path, TOKENIZER, transform, mask_records={1: rec},
+                            geometry=PatchGeometry(32, 2, random_rectangle_prob=0.0, out_of_crop_boxes=rule))
+        assert masked(data[0]["patch_mask"].numpy()) == patch_indices, rule
+
+
+@pytest.mark.parametrize("config, rule, box_aware", [("macco.yaml", "clamp", False), ("macco_ours.yaml", "drop", True)])
+def test_the_datamodule_passes_the_box_rule_and_crop_sampling(monkeypatch, config, rule, box_aware):
+    import datamodules.preprocess
+
+    cfg = load_config([Path(__file__).resolve().parents[1] / "configs" / config])
+    monkeypatch.setattr(datamodules.preprocess, "mask_records", lambda data, prep, split: {})
+    datamodule = CocoDataModule(cfg.data, TOKENIZER, None, None, preprocess=cfg.preprocess,
+                                image_config={"size": 224, "mean": (0.5,) * 3, "std": (0.5,) * 3}, grid_size=7)
+    assert datamodule._mask_options("train")["geometry"].out_of_crop_boxes == rule
+    assert datamodule._transform(True).box_aware is box_aware and datamodule._transform(True).train

@@ -10,8 +10,14 @@ One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overla
 explanations"; `--heads` chooses the paper's single-head map or our multi-head variant) and a bar chart
 of the text attribution (`--attribution`, any of `attribution.ATTRIBUTIONS`, renormalised to sum 1 over the
 caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (same stem) and a table on stdout hold the
-numbers. The image shown is the validation transform's input, de-normalised: the pixels the model saw (after
-its resize and centre crop), so the heat map lies exactly on what it explains.
+numbers.
+
+The model sees, by `--resize`: "aspect" (default, Grad-ECLIP's explanations): the whole image at its own size
+and aspect ratio, its shorter side first brought down to 640 pixels when longer, each side then resized
+(bicubic) to the nearest multiple of the patch size; the ViT runs on that patch grid, square or not, with its
+positional embeddings resized to it. "square" [ours]: the model's validation transform (resize and centre
+crop to its input size). The image shown is that input, de-normalised: the pixels the model saw, so the heat
+map lies exactly on what it explains.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +37,7 @@ from matplotlib.figure import Figure
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torchvision import transforms
+from torchvision.transforms import InterpolationMode
 
 from core.encoders import BuiltModel, CLIPEncoders, build_model
 from core.files import atomic_write_bytes, atomic_write_text
@@ -40,6 +47,8 @@ from lightning_modules.attribution.library import (ATTRIBUTIONS, HEADS, TEXT_LAM
 
 DEFAULTS = AttributionOptions()
 END_OF_WORD = "</w>"
+# The original's explanations shrink an image whose shorter side passes this many pixels to exactly that.
+ASPECT_MAX_SHORT_SIDE = 640
 
 
 @dataclass
@@ -83,6 +92,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="gradcam: first block of the relevance product (negative counts from the end)")
     parser.add_argument("--eclip-layers", type=int, default=DEFAULTS.eclip_layers,
                         help="grad_eclip: text map sums the last N blocks")
+    parser.add_argument("--resize", default="aspect", choices=RESIZES,
+                        help="model input: the whole image, aspect kept, sides rounded to the patch size (aspect, "
+                             "the original's explanations) or the validation transform's square crop (ours)")
     parser.add_argument("--out", type=Path, default=Path("explain.png"), help="PNG; the JSON goes beside it")
     parser.add_argument("--device", default="cpu")
     return parser.parse_args(argv)
@@ -140,10 +152,55 @@ def token_pieces(tokenizer, ids: Sequence[int]) -> List[str]:
     return pieces
 
 
-def prepare_inputs(built: BuiltModel, image: Image.Image, texts: Sequence[str], device: torch.device
-                   ) -> tuple[Tensor, Tensor]:
+def aspect_preserving_size(width: int, height: int, patch: Sequence[int]) -> tuple[int, int]:
+    """(height, width) of Grad-ECLIP's input for an image of `width` x `height` pixels (after the shrink of
+    `shrunk_for_explanation`): each side rounded to the nearest multiple of the patch side (at least one patch)."""
+    patch_h, patch_w = patch
+    return max(1, int(height / patch_h + 0.5)) * patch_h, max(1, int(width / patch_w + 0.5)) * patch_w
+
+
+def shrunk_for_explanation(image: Image.Image) -> Image.Image:
+    """The image with its shorter side brought down to ASPECT_MAX_SHORT_SIDE when longer (bicubic), as the
+    original shrinks large images before explaining them."""
+    width, height = image.size
+    if min(width, height) <= ASPECT_MAX_SHORT_SIDE:
+        return image
+    scale = min(width, height) / ASPECT_MAX_SHORT_SIDE
+    return image.resize((int(width / scale), int(height / scale)), Image.BICUBIC)
+
+
+def aspect_preserving_input(built: BuiltModel, image: Image.Image) -> Tensor:
+    """Grad-ECLIP's input [3, H, W]: the whole image, shrunk when large, sides rounded to the patch size."""
+    image = shrunk_for_explanation(image)
+    size = aspect_preserving_size(*image.size, built.model.visual.conv1.kernel_size)
+    resized = transforms.Resize(size, interpolation=InterpolationMode.BICUBIC)(image)
+    config = built.model.visual.preprocess_cfg
+    return transforms.functional.normalize(transforms.functional.to_tensor(resized), list(config["mean"]),
+                                           list(config["std"]))
+
+
+def square_input(built: BuiltModel, image: Image.Image) -> Tensor:
+    """[ours] The validation transform's input [3, S, S]: resized and centre-cropped to the model's size."""
+    return built.preprocess_val(image)
+
+
+# --resize -> (model, image) -> the normalised pixels the model explains
+MODEL_INPUTS: Dict[str, Callable[[BuiltModel, Image.Image], Tensor]] = {"aspect": aspect_preserving_input,
+                                                                          "square": square_input}
+RESIZES = tuple(MODEL_INPUTS)
+
+
+def model_input(built: BuiltModel, image: Image.Image, resize: str) -> Tensor:
+    """The normalised pixels [3, H, W] the model explains (see the module doc for `resize`)."""
+    if resize not in MODEL_INPUTS:
+        raise ValueError(f"resize must be one of {', '.join(MODEL_INPUTS)}, got {resize!r}")
+    return MODEL_INPUTS[resize](built, image)
+
+
+def prepare_inputs(built: BuiltModel, image: Image.Image, texts: Sequence[str], device: torch.device,
+                   resize: str = "aspect") -> tuple[Tensor, Tensor]:
     """Pixels [T, 3, H, W] (the image once per text) and token ids [T, L] on `device`."""
-    pixels = built.preprocess_val(image).unsqueeze(0).expand(len(texts), -1, -1, -1)
+    pixels = model_input(built, image, resize).unsqueeze(0).expand(len(texts), -1, -1, -1)
     return pixels.to(device), built.tokenizer(list(texts)).to(device)
 
 
@@ -154,7 +211,7 @@ def explain(built: BuiltModel, pixels: Tensor, ids: Tensor, texts: Sequence[str]
     word_ends = word_end_table(built.tokenizer, built.model.vocab_size)
     # No torch.no_grad anywhere: the gradient-based maps differentiate S(I, T) (the weights keep
     # requires_grad so the forward records a graph; autograd.grad leaves their .grad untouched).
-    image = F.normalize(encoders.encode_image(pixels).pooled.detach(), dim=-1)
+    image = F.normalize(encoders.encode_image(pixels, resize_positions=True).pooled.detach(), dim=-1)
     text = encoders.encode_text(ids, attn=True)
     inputs = TextAttributionInputs(encoders, ids, image, text, word_ends)
     attribution = text_attribution(method, inputs, options).detach().cpu()
@@ -225,8 +282,8 @@ def save(out: Path, figure: Figure, report: dict) -> Path:
 def run_report(args: argparse.Namespace, built: BuiltModel, options: AttributionOptions,
                rows: Sequence[Explanation]) -> dict:
     source = str(args.run) if args.run is not None else args.pretrained  # None: random weights
-    return {"model": built.name, "source": source, "image": str(args.image),
-            "image_shown": "validation transform input, de-normalised", "attribution": args.attribution,
+    return {"model": built.name, "source": source, "image": str(args.image), "resize": args.resize,
+            "image_shown": "the model's input, de-normalised", "attribution": args.attribution,
             "options": asdict(options), "rows": [row.record() for row in rows]}
 
 
@@ -237,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     check_texts(args.text, built.tokenizer)
     options = attribution_options_from_args(args)
     built.model.to(args.device)
-    pixels, ids = prepare_inputs(built, image, args.text, torch.device(args.device))
+    pixels, ids = prepare_inputs(built, image, args.text, torch.device(args.device), args.resize)
     rows = explain(built, pixels, ids, args.text, args.attribution, options)
     figure = plot(display_image(pixels[0], built.preprocess_val), rows, args.attribution, args.heads)
     json_path = save(args.out, figure, run_report(args, built, options, rows))

@@ -542,16 +542,18 @@ def image_grad_eclip_grid(encoders: CLIPEncoders, images: Tensor, text_embedding
     cos(q_cls, k_i) (q, k with their bias, before the 1/sqrt(d) scaling); map_i = relu(sum_heads sum_d g_d v_{i,d}
     lambda_i), in row-major grid order. `heads="single"` re-runs the last block with one full-width head and
     explains the cosine of that re-run's embedding (the original code, the published map); "multi" [ours]
-    explains the model as it is.
+    explains the model as it is. Images of any size (multiples of the patch size), square or not, run on their
+    own patch grid with the positional embeddings resized to it, as the original explains aspect-preserving
+    inputs (`CLIPEncoders.image_positions`); at the model's size nothing is resized.
 
     Returns:
-        maps [B, grid_h, grid_w] (relu'd, unscaled) and the explained cosine c [B].
+        maps [B, grid_h, grid_w] (relu'd, unscaled) of the images' patch grid and the explained cosine c [B].
     """
     if heads not in HEADS:
         raise ValueError(f"heads must be one of {HEADS}, got {heads!r}")
     # With a frozen vision tower nothing in the forward requires grad; the input pixels give the graph a root.
     features = encoders.encode_image(images if images.requires_grad else images.detach().requires_grad_(True),
-                                     attn=True)
+                                     attn=True, resize_positions=True)
     trace = features.traces[-1]
     target_features = features
     if heads == "single":
@@ -563,12 +565,12 @@ def image_grad_eclip_grid(encoders: CLIPEncoders, images: Tensor, text_embedding
     cls_rows = torch.zeros(batch, dtype=torch.long, device=images.device)
     patches = torch.arange(tokens, device=images.device) > 0
     maps = eclip_layer_map(trace, grad, cls_rows, patches.expand(batch, tokens))[:, 1:].clamp(min=0)
-    return maps.view(batch, *encoders.grid_size), target
+    return maps.view(batch, *features.grid_size), target
 
 
 def image_grad_eclip(encoders: CLIPEncoders, images: Tensor, text_embeddings: Tensor, heads: str = "single",
                      create_graph: bool = False) -> Tensor:
-    """Grad-ECLIP image heat maps [B, H, W] at the input size, in 0..1.
+    """Grad-ECLIP image heat maps [B, H, W] at the input size (square or not), in 0..1.
 
     The original's order: each grid map min-max scaled to 0..1, then resized to the image bilinearly (the
     resize of a min-max scaled map may peak below 1). See `image_grad_eclip_grid` for the map and `heads`.
