@@ -565,7 +565,7 @@ def test_configs_hold_the_recipe():
     # the official code: no key padding mask, decay on every head tensor, logit_scale in the head group
     assert not paper.method.key_padding_mask
     assert paper.optim.head_decay_1d and paper.optim.logit_scale_group == "head"
-    assert paper.data.comp_mask_rule == "every_occurrence"  # ours, documented; first_bpe_match is the original's
+    assert paper.data.comp_mask_rule == "first_bpe_match"  # the original's; every_occurrence is ours
     demo = load_config([REPO_ROOT / "configs" / "demo" / "macco.yaml"])
     assert demo.model.pretrained == "runs/demo_pretrain/export" and demo.trainer.max_steps == 100
     assert demo.method.name == "macco" and demo.data.masks
@@ -580,7 +580,8 @@ def test_our_recipe_differs_from_the_paper_config_only_in_our_options():
                            "optim.logit_scale_group": ("head", "backbone"),
                            "optim.head_decay_1d": (True, False),
                            "data.out_of_crop_boxes": ("clamp", "drop"),
-                           "data.box_aware_crop": (False, True)}
+                           "data.box_aware_crop": (False, True),
+                           "data.comp_mask_rule": ("first_bpe_match", "every_occurrence")}
 
 
 # ----- a fit on the shapes world and its export ----------------------------------------------------------
