@@ -317,8 +317,9 @@ def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
     manifests = {}
     for source in split_sources(cfg.data, cfg.preprocess):
         start = time.perf_counter()
-        manifests[source.split] = preprocess_split(cfg, source, parser, grounder, shard)
-        log.info("%s done in %.1f s: %s", source.split, time.perf_counter() - start, manifests[source.split]["counts"])
+        manifest = manifests[source.split] = preprocess_split(cfg, source, parser, grounder, shard)
+        log.info("%s done in %.1f s, %d damaged shards rebuilt: %s", source.split, time.perf_counter() - start,
+                 manifest["rebuilt_shards"], manifest["counts"])
     return manifests
 
 

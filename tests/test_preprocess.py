@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -90,17 +91,23 @@ def test_shard_split_over_workers_covers_everything_once(shapes_root, tmp_path):
     assert second["train"]["complete"] and second["train"]["counts"]["captions"] == 24
 
 
-def test_corrupt_shard_is_named_on_load_and_rebuilt_on_rerun(shapes_root, tmp_path):
+def test_corrupt_shard_is_named_on_load_and_rebuilt_on_rerun(shapes_root, tmp_path, caplog):
     cfg = shapes_config(shapes_root, tmp_path)
-    preprocess.run(cfg)
+    assert preprocess.run(cfg)["train"]["rebuilt_shards"] == 0
     victim = sorted(tmp_path.rglob("shard-00001-of-00005.jsonl.gz"))[0]
     victim.write_bytes(victim.read_bytes()[:-7])  # truncated
     cache = open_cache(victim.parent)
     with pytest.raises(CacheError, match=victim.name):
         list(cache.read_all())
     assert not cache.is_done(1)
-    preprocess.run(cfg)
+    with caplog.at_level(logging.INFO):
+        manifests = preprocess.run(cfg)
     assert len(list(open_cache(victim.parent).read_all())) == 24
+    # The rebuild is reported: a warning naming the shard, and a count in the job's summary.
+    assert manifests["train"]["rebuilt_shards"] == 1 and manifests["val"]["rebuilt_shards"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "shard 1 of 5" in warnings[0] and victim.name in warnings[0]
+    assert "train done in" in caplog.text and "1 damaged shards rebuilt" in caplog.text
 
 
 def test_missing_cache_is_a_clear_error(tmp_path):
