@@ -25,6 +25,7 @@ from datamodules.annotations import CaptionRecord, existing_path, image_path_can
 from datamodules.cache import (COUNT_KEYS, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
                               open_cache, resolve_device, shard_count)
 from datamodules.inputs import InputError, check_preprocess_inputs
+from parsers.grounding_inputs import GrounderInputError
 from parsers.scene_graph import Phrase, SceneGraph, SceneGraphParser
 
 if TYPE_CHECKING:
@@ -290,11 +291,22 @@ def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounde
     todo = cache.unfinished(shard)
     log.info("%s: %d captions, %d shards, %d to do here, cache %s", source.split, len(records), cache.num_shards,
              len(todo), cache.directory)
+    if todo:
+        prepare_grounder(grounder)
     gt_phrases = gt_phrases_by_caption(source.scene_graphs) if todo else {}
     chunks = {index: records[index * size:(index + 1) * size] for index in todo}
     with split_progress(source.split, list(chunks.values())) as progress:
         return fill_shards(cache, settings, todo, lambda index: process_shard(
             chunks[index], parser, grounder, source, gt_phrases, progress))
+
+
+def prepare_grounder(grounder) -> None:
+    """Load the grounder's model before the first shard: a detector checkpoint that does not fit is refused
+    (InputError) before any caption is parsed or any cache file written."""
+    try:
+        grounder.prepare()
+    except GrounderInputError as err:
+        raise InputError(f"preprocessing cannot start:\n  - {err}") from err
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -309,7 +321,8 @@ def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
     """Preprocess every configured split; return the manifest of each.
 
     Raises:
-        InputError: a missing input or a refused option (before anything is built or written).
+        InputError: a missing input or a refused option (before anything is built or written), or a detector
+            checkpoint that does not fit its model (refused once the model is built, before any shard's work).
     """
     check_preprocess_inputs(cfg)
     parser = build_parser(cfg.preprocess)

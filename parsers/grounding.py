@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from parsers.grounding_inputs import default_groundingdino_config, groundingdino_input_problems
+from parsers.grounding_inputs import GrounderInputError, default_groundingdino_config, groundingdino_input_problems
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,9 @@ class Grounder(Protocol):
     """What the preprocessing job needs of a grounder."""
 
     unreadable_images: List[str]  # paths of request images that could not be decoded, in request order
+
+    def prepare(self) -> None:
+        """Load the model, if any: a checkpoint that does not fit is refused here, before any shard's work."""
 
     def ground(self, requests: Sequence[GroundingRequest]) -> List[List[List[Box]]]:
         """Boxes per request, per phrase (possibly empty)."""
@@ -129,6 +132,9 @@ class ImageReader:
     def __init__(self):
         self.unreadable_images: List[str] = []
 
+    def prepare(self) -> None:
+        """Load what grounding needs (nothing here; a detector's weights), so bad inputs fail before any work."""
+
     def _read(self, path: str) -> Optional[Image.Image]:
         image = _read_rgb(path)
         if image is None:
@@ -155,10 +161,6 @@ def groundingdino_image_tensor(image: Image.Image, image_size: int, max_size: in
 PROMPT_MODES = ("per_phrase", "joint")
 # GroundingDINO's `max_text_len`: its forward keeps the first 256 text positions ([CLS] and [SEP] included).
 MAX_TEXT_TOKENS = 256
-
-
-class GrounderInputError(ValueError):
-    """A grounder asked for with inputs it cannot use (a missing file, no checkpoint); lists every problem."""
 
 
 def phrase_prompt(phrase: str) -> str:
@@ -260,16 +262,59 @@ def _build_groundingdino(config_file: str, text_encoder: str, device: str) -> to
         return build_model(args)
 
 
-def _load_checkpoint(model: torch.nn.Module, checkpoint: str) -> None:
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    state = state.get("model", state)
+# Keys in which a released checkpoint and the model built here legitimately differ, in either direction;
+# GroundingDINO's own loader (`load_model`, `strict=False`) ignores every difference, and these are the ones
+# the released SwinT / SwinB checkpoints show: `label_enc.weight`, the label embedding of the denoising
+# queries used only in training (the inference model has none), and BERT's `position_ids`, a constant arange
+# buffer that the released checkpoints hold but transformers >= 4.31 leaves out of the state dict (older
+# versions keep it), so either side may lack it.
+IGNORED_CHECKPOINT_KEYS = frozenset({"label_enc.weight", "bert.embeddings.position_ids"})
+# Key names quoted per kind of difference in the refusal.
+_KEYS_IN_MESSAGE = 5
+
+
+def _read_state_dict(checkpoint: str) -> Dict[str, torch.Tensor]:
+    """The checkpoint's tensors by key ("model" entry or the whole file, DDP's "module." prefix removed)."""
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    except Exception as err:  # a file that is no checkpoint fails in many ways (pickle, zip, EOF, ...)
+        raise GrounderInputError(f"GroundingDINO checkpoint {checkpoint} cannot be read as a torch checkpoint: "
+                                 f"{type(err).__name__}: {err}") from err
+    state = state.get("model", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise GrounderInputError(f"GroundingDINO checkpoint {checkpoint} holds no state dict of tensors (at the top "
+                                 f"level or under 'model')")
     # Checkpoints saved from DistributedDataParallel prefix every key with "module.".
-    state = {key.removeprefix("module."): value for key, value in state.items()}
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        log.warning("GroundingDINO checkpoint %s: %d missing keys %s, %d unexpected keys %s", checkpoint,
-                    len(result.missing_keys), result.missing_keys[:5], len(result.unexpected_keys),
-                    result.unexpected_keys[:5])
+    return {key.removeprefix("module."): value for key, value in state.items()}
+
+
+def checkpoint_mismatch(model_state: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor]) -> Dict[str, List[str]]:
+    """How a checkpoint's state dict differs from the model's: "missing", "unexpected" and "shape" keys
+    (each sorted; `IGNORED_CHECKPOINT_KEYS` left out)."""
+    missing = sorted(model_state.keys() - state.keys() - IGNORED_CHECKPOINT_KEYS)
+    unexpected = sorted(state.keys() - model_state.keys() - IGNORED_CHECKPOINT_KEYS)
+    shape = sorted(key for key in model_state.keys() & state.keys() if model_state[key].shape != state[key].shape)
+    return {"missing": missing, "unexpected": unexpected, "shape": shape}
+
+
+def _mismatch_message(checkpoint: str, config_file: str, mismatch: Dict[str, List[str]], total: int) -> str:
+    kinds = {"missing": "missing keys", "unexpected": "unexpected keys", "shape": "keys of another shape"}
+    found = "; ".join(f"{len(keys)} {kinds[kind]} (e.g. {', '.join(keys[:_KEYS_IN_MESSAGE])})"
+                      for kind, keys in mismatch.items() if keys)
+    return (f"GroundingDINO checkpoint {checkpoint} does not fit the model of {os.path.basename(config_file)} "
+            f"({total} keys): {found}. Without those weights it would ground with random ones; give the checkpoint "
+            f"of this config's variant (groundingdino_swint_ogc.pth for GroundingDINO_SwinT_OGC.py) and the text "
+            f"encoder it was trained with")
+
+
+def _load_checkpoint(model: torch.nn.Module, checkpoint: str, config_file: str) -> None:
+    """Load every weight of `model` from `checkpoint`, or refuse (GrounderInputError) if it does not fit."""
+    state = _read_state_dict(checkpoint)
+    model_state = model.state_dict()
+    mismatch = checkpoint_mismatch(model_state, state)
+    if any(mismatch.values()):
+        raise GrounderInputError(_mismatch_message(checkpoint, config_file, mismatch, len(model_state)))
+    model.load_state_dict(state, strict=False)  # only IGNORED_CHECKPOINT_KEYS can differ now
 
 
 def _phrase_token_mask(tokenizer, prompts: Sequence[str], special_ids: Sequence[int], width: int) -> torch.Tensor:
@@ -328,7 +373,9 @@ class GroundingDinoGrounder(ImageReader):
 
     Args:
         checkpoint: path of a GroundingDINO checkpoint (e.g. `groundingdino_swint_ogc.pth`). None (random,
-            seeded weights: meaningless boxes) is refused unless `allow_random_weights`.
+            seeded weights: meaningless boxes) is refused unless `allow_random_weights`; so is, when the model
+            is built (`prepare` or first use), a checkpoint that does not set every weight of the model
+            (missing, unexpected or reshaped keys other than `IGNORED_CHECKPOINT_KEYS`).
         allow_random_weights: accept `checkpoint=None`; for tests and speed measurements only.
         config_file: GroundingDINO config; default the SwinT OGC config shipped inside the package.
         text_encoder: hub name or local directory of the BERT text encoder (tokenizer + config; with a
@@ -383,8 +430,12 @@ class GroundingDinoGrounder(ImageReader):
             log.warning("GroundingDINO has RANDOM WEIGHTS (checkpoint=None): boxes are meaningless; "
                         "this is for tests only, pass checkpoint=<path to groundingdino_swint_ogc.pth>")
         else:
-            _load_checkpoint(model, self.checkpoint)
+            _load_checkpoint(model, self.checkpoint, self.config_file)
         return model.to(self.device).eval().requires_grad_(False)
+
+    def prepare(self) -> None:
+        """Build the model and load its checkpoint now (refused if it does not fit), not at the first images."""
+        _ = self.model  # the cached property builds and loads it
 
     @cached_property
     def _input_hashes(self) -> dict:
