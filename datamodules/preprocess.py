@@ -159,9 +159,11 @@ def image_requests(records: Sequence[CaptionRecord], graphs: Sequence[SceneGraph
             requests[key] = GroundingRequest(
                 image_path=_image_path(images, record.file_name), phrases=[p.text for p in graph.phrases],
                 image_id=record.image_id, caption_id=record.caption_id, gt_phrases=gt_phrases[record.caption_id],
-                phrase_mentions=[phrase_mentions(graph, p) for p in graph.phrases])
+                phrase_mentions=[phrase_mentions(graph, p) for p in graph.phrases],
+                annotated_size=record.annotated_size)
             continue
-        shared = requests.setdefault(key, GroundingRequest(_image_path(images, record.file_name), [], record.image_id))
+        shared = requests.setdefault(key, GroundingRequest(_image_path(images, record.file_name), [], record.image_id,
+                                                           annotated_size=record.annotated_size))
         shared.phrases.extend(p.text for p in graph.phrases if p.text not in shared.phrases)
     return list(requests.values())
 

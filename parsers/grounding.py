@@ -12,7 +12,10 @@ A grounder turns (image, phrases) requests into boxes in ORIGINAL image pixels, 
 
 Every grounder decodes each request's image, also those that need no pixels, so that a broken file is found
 here rather than in a training DataLoader and the count does not depend on the grounder: the paths it could
-not read go to `unreadable_images`, and their phrases get empty box lists (never an exception).
+not read, or whose geometry makes boxes meaningless (`parsers.images.image_shape_problem`: not the size the
+annotations record, an extreme aspect ratio), go to `unreadable_images`, logged with the reason, and their
+phrases get empty box lists (never an exception). Images are decoded by `parsers.images.rgb_image`, which
+scales 16-bit grayscale to 8 bits (PIL's own conversion turns it white).
 `settings()` returns everything that changes a grounder's output, for the preprocessing cache key.
 
 `boxes_to_patch_mask` and `random_rectangle_mask` build the per-sample patch masks in the DataLoader, so they
@@ -36,6 +39,7 @@ import torch
 from PIL import Image
 
 from parsers.grounding_inputs import GrounderInputError, default_groundingdino_config, groundingdino_input_problems
+from parsers.images import IMAGE_DECODING, IMAGE_ERRORS, image_shape_problem, read_rgb_file
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,8 @@ class GroundingRequest:
         phrase_mentions: per phrase, the character spans of the objects it names (their head nouns), in the
             one caption that `gt_phrases` annotate: the `annotations` grounder then grounds each named object
             in the tightest gt phrase around it instead of matching words (see `mention_boxes`).
+        annotated_size: (width, height) the annotations record for the image, the frame of `gt_phrases`; an
+            image file of another size is not grounded (None: not recorded, not checked).
     """
 
     image_path: str
@@ -74,12 +80,13 @@ class GroundingRequest:
     caption_id: int = 0
     gt_phrases: Optional[List[dict]] = None
     phrase_mentions: Optional[List[List[Tuple[int, int]]]] = None
+    annotated_size: Optional[Tuple[int, int]] = None
 
 
 class Grounder(Protocol):
     """What the preprocessing job needs of a grounder."""
 
-    unreadable_images: List[str]  # paths of request images that could not be decoded, in request order
+    unreadable_images: List[str]  # paths of request images that could not be decoded or used, in request order
 
     def prepare(self) -> None:
         """Load the model, if any: a checkpoint that does not fit is refused here, before any shard's work."""
@@ -117,17 +124,16 @@ def _package_version(name: str) -> Optional[str]:
 
 # ----- images ------------------------------------------------------------------------------------------
 def _read_rgb(path: str) -> Optional[Image.Image]:
-    """The decoded RGB image, or None when the file is missing, truncated or not an image."""
+    """The decoded 8-bit RGB image, or None when the file is missing, truncated or not an image."""
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")  # convert() decodes the whole file, so truncation raises here
-    except (OSError, Image.DecompressionBombError) as error:
+        return read_rgb_file(path)
+    except IMAGE_ERRORS as error:
         log.warning("unreadable image %s: %s", path, error)
         return None
 
 
 class ImageReader:
-    """Reads request images and keeps the paths that could not be read (shared by all grounders)."""
+    """Reads request images and keeps the paths that could not be used (shared by all grounders)."""
 
     def __init__(self):
         self.unreadable_images: List[str] = []
@@ -135,10 +141,15 @@ class ImageReader:
     def prepare(self) -> None:
         """Load what grounding needs (nothing here; a detector's weights), so bad inputs fail before any work."""
 
-    def _read(self, path: str) -> Optional[Image.Image]:
-        image = _read_rgb(path)
+    def _read(self, request: GroundingRequest) -> Optional[Image.Image]:
+        """The request's image, or None (recorded in `unreadable_images`) when it is unreadable or unusable."""
+        image = _read_rgb(request.image_path)
+        problem = image_shape_problem(image.size, request.annotated_size) if image is not None else None
+        if problem is not None:
+            log.warning("unusable image %s: %s; its phrases get no boxes", request.image_path, problem)
+            image = None
         if image is None:
-            self.unreadable_images.append(path)
+            self.unreadable_images.append(request.image_path)
         return image
 
 
@@ -464,6 +475,7 @@ class GroundingDinoGrounder(ImageReader):
             "text_encoder": os.path.basename(os.path.normpath(self.text_encoder)), **self._input_hashes,
             "box_threshold": self.box_threshold, "text_threshold": self.text_threshold,
             "image_size": self.image_size, "max_size": self.max_size, "batch_size": self.batch_size,
+            "image_decoding": IMAGE_DECODING,
             "groundingdino_py": _package_version("groundingdino-py"),
             "transformers": _package_version("transformers"),
         }
@@ -473,7 +485,7 @@ class GroundingDinoGrounder(ImageReader):
         results: List[List[List[Box]]] = [[[] for _ in r.phrases] for r in requests]
         for start in range(0, len(requests), self.batch_size):
             chunk = range(start, min(start + self.batch_size, len(requests)))
-            images = {i: self._read(requests[i].image_path) for i in chunk}
+            images = {i: self._read(requests[i]) for i in chunk}
             readable = [i for i, image in images.items() if image is not None and requests[i].phrases]
             if readable:
                 ground = self._ground_images if self.prompt == "per_phrase" else self._ground_images_jointly
@@ -653,7 +665,7 @@ class AnnotationGrounder(ImageReader):
         return [self._request_boxes(request) for request in requests]
 
     def _request_boxes(self, request: GroundingRequest) -> List[List[Box]]:
-        if self._read(request.image_path) is None:
+        if self._read(request) is None:
             return [[] for _ in request.phrases]
         mentions = request.phrase_mentions or [None] * len(request.phrases)
         return [self._phrase_boxes(request, phrase, named) for phrase, named in zip(request.phrases, mentions)]
@@ -680,7 +692,7 @@ class NoGrounder(ImageReader):
 
     def ground(self, requests: Sequence[GroundingRequest]) -> List[List[List[Box]]]:
         for request in requests:
-            self._read(request.image_path)
+            self._read(request)
         return [[[] for _ in request.phrases] for request in requests]
 
 

@@ -32,6 +32,7 @@ from parsers.grounding import (
     select_boxes,
     span_token_masks,
 )
+from parsers.images import IMAGE_DECODING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any accidental hub call fails fast
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -157,6 +158,7 @@ def test_settings_json_and_sensitive_to_thresholds(grounder, bert_dir):
     assert json.loads(json.dumps(settings)) == settings
     assert settings["checkpoint"] is None and settings["random_init_seed"] == 0
     assert settings["config"] == "GroundingDINO_SwinT_OGC.py" and len(settings["config_sha256"]) == 64
+    assert settings["image_decoding"] == IMAGE_DECODING  # boxes found on differently decoded pixels are not reused
     assert {"vocab.txt", "config.json", "model.safetensors"} <= set(settings["text_encoder_sha256"])
     assert groundingdino(bert_dir, box_threshold=0.3, batch_size=2).settings() == dict(settings, box_threshold=0.3)
     assert groundingdino(bert_dir, text_threshold=0.2, batch_size=2).settings() == dict(settings, text_threshold=0.2)
@@ -364,6 +366,32 @@ def test_grounders_without_pixels_still_record_unreadable_images(name, image_fil
     assert grounded[1:] == [[[]], []]
     assert grounder.unreadable_images == [image_files["truncated"], image_files["missing"]]
     assert (grounded[0] != [[]]) == (name == "annotations")
+
+
+def test_a_16_bit_png_is_grounded_as_its_8_bit_version(tmp_path, grounder):
+    gray = np.random.default_rng(0).integers(0, 256, (30, 40), dtype=np.uint8)
+    Image.fromarray(gray).save(tmp_path / "eight.png")
+    Image.fromarray(gray.astype(np.uint16) * 257).save(tmp_path / "sixteen.png")
+    eight, sixteen = (grounder._read(GroundingRequest(str(tmp_path / name), ["x"])) for name in ("eight.png",
+                                                                                                 "sixteen.png"))
+    assert np.array_equal(np.asarray(sixteen), np.asarray(eight))  # PIL's own conversion gives white
+
+
+@pytest.mark.parametrize("name", ["annotations", "none"])
+def test_images_whose_boxes_would_be_meaningless_are_not_grounded(name, tmp_path, image_files, caplog):
+    """A sliver (the detector cannot see it whole, the crop would miss its boxes) and a file of another size than
+    the annotations record (their boxes are in another frame) are logged and counted with the unreadable ones."""
+    Image.new("RGB", (10000, 10)).save(tmp_path / "sliver.png")
+    grounder = build_grounder(name)
+    requests = [GroundingRequest(image_files["wide"], ["red car"], gt_phrases=GT_PHRASES,
+                                 annotated_size=(320, 240)),
+                GroundingRequest(str(tmp_path / "sliver.png"), ["red car"], gt_phrases=GT_PHRASES),
+                GroundingRequest(image_files["tall"], ["red car"], gt_phrases=GT_PHRASES,
+                                 annotated_size=(300, 200))]
+    grounded = grounder.ground(requests)
+    assert grounded[1:] == [[[]], [[]]] and (grounded[0] != [[]]) == (name == "annotations")
+    assert grounder.unreadable_images == [str(tmp_path / "sliver.png"), image_files["tall"]]
+    assert "aspect ratio" in caplog.text and "the file is 200x300 but the annotations record 300x200" in caplog.text
 
 
 # ----- boxes -> patch masks ---------------------------------------------------------------------------

@@ -137,6 +137,30 @@ def test_captions_without_entities_and_unreadable_images_are_counted_not_fatal(t
     assert counts["no_composition"] >= 2 and counts["grounded"] == 0
 
 
+def test_images_of_another_size_than_recorded_or_slivers_are_counted_with_the_unreadable(tmp_path, caplog):
+    """Their boxes would be in the wrong frame (or cropped away): logged, counted, and given no boxes."""
+    from PIL import Image
+
+    root = tmp_path / "data"
+    (root / "images").mkdir(parents=True)
+    sizes = {"right.png": ((40, 30), (40, 30)), "resized.png": ((40, 30), (80, 60)),
+             "sliver.png": ((3000, 30), (3000, 30))}  # name: (file size, recorded size)
+    for name, (size, _) in sizes.items():
+        Image.new("RGB", size, (200, 10, 10)).save(root / "images" / name)
+    document = {"images": [{"id": i, "file_name": name, "width": recorded[0], "height": recorded[1]}
+                           for i, (name, (_, recorded)) in enumerate(sizes.items(), start=1)],
+                "annotations": [{"id": i, "image_id": i, "caption": "a dog on a red sofa"} for i in (1, 2, 3)]}
+    (root / "captions.json").write_text(json.dumps(document))
+    cfg = load_config([], [f"data.root={root}", "data.train_annotations=captions.json", "data.train_images=images",
+                           "data.val_annotations=", f"preprocess.cache_root={tmp_path / 'c'}",
+                           "preprocess.grounder=none"])
+    with caplog.at_level(logging.WARNING):
+        counts = preprocess.run(cfg)["train"]["counts"]
+    assert counts["captions"] == 3 and counts["unreadable_images"] == 2
+    assert "resized.png: the file is 40x30 but the annotations record 80x60" in caplog.text
+    assert "sliver.png: 3000x30 has an aspect ratio over 10:1" in caplog.text
+
+
 def test_datamodule_reads_masks_from_the_cache(shapes_root, tmp_path):
     cfg = shapes_config(shapes_root, tmp_path, "data.masks=true", "data.batch_size=4", "data.num_workers=0",
                         "data.random_rectangle_prob=0")
