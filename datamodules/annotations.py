@@ -34,6 +34,8 @@ class CaptionRecord:
             are this sample's hard-negative images, as written (unchecked; possibly none).
         raw_caption: the caption as the file gives it (ShareGPT4V: newlines as spaces), before stripping; None
             when that is `caption`. SmartCLIP splits this text into sentences: a trailing ". " is one more.
+        annotated_size: (width, height) of the image as a COCO-style JSON records it
+            (`images[].width/height`), the frame of any box annotated on it; None when the file does not record it.
     """
 
     caption_id: int
@@ -43,6 +45,7 @@ class CaptionRecord:
     neg_captions: Tuple[str, ...] = ()
     neg_image_rows: Tuple[int, ...] = ()
     raw_caption: Optional[str] = None
+    annotated_size: Optional[Tuple[int, int]] = None
 
     @property
     def unstripped_caption(self) -> str:
@@ -93,7 +96,15 @@ def coco_records(path: str, document: Dict[str, Any], caption_field: str = "capt
         raise ValueError(f"annotation file {path} is not a COCO captions file: it needs 'images' and "
                          f"'annotations' at the top level (or 'images' with 'sentences', Karpathy's format)")
     file_names = {image["id"]: image["file_name"] for image in document["images"]}
-    return [_coco_record(path, annotation, file_names, caption_field) for annotation in document["annotations"]]
+    sizes = {image["id"]: _recorded_size(image) for image in document["images"]}
+    return [_coco_record(path, annotation, file_names, caption_field, sizes)
+            for annotation in document["annotations"]]
+
+
+def _recorded_size(image: Dict[str, Any]) -> Optional[Tuple[int, int]]:
+    """(width, height) of a COCO `images` entry, when it records both."""
+    width, height = image.get("width"), image.get("height")
+    return (int(width), int(height)) if width is not None and height is not None else None
 
 
 def _is_karpathy(document: Any) -> bool:
@@ -124,8 +135,8 @@ def _load_json(path: str) -> Any:
         raise ValueError(f"annotation file {path} is not valid JSON: {err}") from err
 
 
-def _coco_record(path: str, annotation: Dict[str, Any], file_names: Dict[int, str],
-                 caption_field: str = "caption") -> CaptionRecord:
+def _coco_record(path: str, annotation: Dict[str, Any], file_names: Dict[int, str], caption_field: str = "caption",
+                 sizes: Optional[Dict[int, Optional[Tuple[int, int]]]] = None) -> CaptionRecord:
     image_id = annotation["image_id"]
     if image_id not in file_names:
         raise ValueError(f"{path}: annotation {annotation['id']} refers to image {image_id}, which is not "
@@ -136,7 +147,7 @@ def _coco_record(path: str, annotation: Dict[str, Any], file_names: Dict[int, st
     return CaptionRecord(caption_id=int(annotation["id"]), image_id=int(image_id),
                          file_name=file_names[image_id], caption=annotation[caption_field].strip(),
                          neg_captions=_stripped(annotation.get("neg_captions", ())),
-                         raw_caption=annotation[caption_field])
+                         raw_caption=annotation[caption_field], annotated_size=(sizes or {}).get(image_id))
 
 
 def _is_sharegpt4v(document: Any) -> bool:

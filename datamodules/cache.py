@@ -17,7 +17,8 @@ Layout of one preprocessing cache (one annotation file under one set of parser +
 A shard's data file is written to a temporary name and renamed, then its metadata (with the data's sha256)
 is written the same way: a shard counts as done only when both exist and the checksum matches, so a crash
 at any point leaves either a finished shard or one that is redone. On load every shard is verified, and a
-truncated or corrupt one is named in the error.
+truncated or corrupt one is named in the error; a job that finds one (a finished shard whose data is now
+missing, truncated or altered) rebuilds it, warns naming it, and counts it in what it returns.
 """
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ import argparse
 import gzip
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from core.files import atomic_write_bytes
+
+log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
 COUNT_KEYS = ("captions", "parsed", "no_object", "no_composition", "phrases", "grounded",
@@ -120,9 +124,23 @@ class ShardedCache:
 
     def is_done(self, index: int) -> bool:
         """True when the shard's data exists and matches its recorded checksum (then a rerun skips it)."""
-        meta = self.read_meta(index)
+        return self.damage(index) is None and self.meta_path(index).is_file()
+
+    def damage(self, index: int) -> Optional[str]:
+        """What is wrong with a shard that was finished once (its metadata exists), or None: a shard that is
+        intact or was never finished."""
+        if not self.meta_path(index).is_file():
+            return None
+        try:
+            meta = self.read_meta(index)
+        except CacheError as err:
+            return str(err)
         data = self.data_path(index)
-        return meta is not None and data.is_file() and file_sha256(data) == meta["sha256"]
+        if not data.is_file():
+            return f"its data file {data.name} is missing"
+        if file_sha256(data) != meta["sha256"]:
+            return f"its data file {data.name} does not match its checksum (truncated or altered)"
+        return None
 
     def read_shard(self, index: int) -> Any:
         """The shard's payload, verified against its checksum."""
@@ -193,16 +211,32 @@ def my_shards(num_shards: int, shard: Tuple[int, int]) -> List[int]:
 
 def fill_shards(cache: ShardedCache, settings: Dict[str, Any], todo: Sequence[int],
                 produce: Callable[[int], Tuple[Any, Dict[str, int]]]) -> dict:
-    """Produce and write each shard of `todo` (`produce(index)` gives its payload and counts); return the manifest.
+    """Produce and write each shard of `todo` (`produce(index)` gives its payload and counts); return the manifest,
+    with `rebuilt_shards`: how many of `todo` were damaged shards (finished once, see `damage`) that this call
+    rebuilt, each also logged as a warning. (That count is this job's, so it is not written to manifest.json,
+    which every worker of a job rewrites.)
 
     The folder appears with the first finished shard, so a job that fails before any shard leaves nothing.
     """
+    damaged = warn_damaged_shards(cache, todo)
     for index in todo:
         payload, counts = produce(index)
         cache.create(settings)
         cache.write_shard(index, payload, counts)
     cache.create(settings)
-    return cache.summarise(settings)
+    return {**cache.summarise(settings), "rebuilt_shards": len(damaged)}
+
+
+def warn_damaged_shards(cache: ShardedCache, todo: Sequence[int]) -> List[int]:
+    """The damaged shards among `todo`, each named in a warning."""
+    damaged = []
+    for index in todo:
+        damage = cache.damage(index)
+        if damage is not None:
+            log.warning("%s shard %d of %d in %s is damaged (%s): rebuilding it", cache.label, index,
+                        cache.num_shards, cache.directory, damage)
+            damaged.append(index)
+    return damaged
 
 
 def parse_shard(text: str) -> Tuple[int, int]:

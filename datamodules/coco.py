@@ -7,9 +7,12 @@ are drawn at every access as NegCLIP's training code draws them (see datamodules
 hard-negative captions of the sample and, with `hard_negative_images`, one `neg_image` neighbour with its own
 caption and hard captions. Bad input never becomes silent wrong numbers: missing images, empty captions and unreadable
 images either raise, naming the file, or (with `on_bad_image="skip"`) are dropped or substituted, counted and
-logged. Captions longer than the context length are truncated by the tokenizer, counted and flagged per sample.
-With `caption_sentences="random_prefix"` (SmartCLIP's long-caption training) each access reads the caption's
-first k sentences, k drawn at random, and tokenises them then.
+logged. Images are decoded by `parsers.images.rgb_image` (16-bit grayscale scaled to 8 bits, not clipped to
+white), and an image whose geometry makes its boxes meaningless counts as unreadable: another size than the
+annotations record, sides shorter than the patch grid (with masks), an extreme aspect ratio
+(`parsers.images.image_shape_problem`). Captions longer than the context length are truncated by the
+tokenizer, counted and flagged per sample. With `caption_sentences="random_prefix"` (SmartCLIP's long-caption
+training) each access reads the caption's first k sentences, k drawn at random, and tokenises them then.
 
 Captions are tokenised once, at construction, into numpy arrays: forked DataLoader workers share numpy
 buffers copy-on-write, whereas a list of Python objects is copied page by page as reference counts change.
@@ -36,6 +39,7 @@ from datamodules.hard_negatives import (NEIGHBOUR_STREAM, NegativeCaptions, Neig
 from datamodules.masks import CaptionMasks, PatchGeometry
 from datamodules.transforms import CropResize
 from datamodules.word_vocabulary import WordVocabulary
+from parsers.images import IMAGE_ERRORS, image_shape_problem, read_rgb_file
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +53,8 @@ TOKENIZE_CHUNK = 8192
 # SmartCLIP's sentence boundary: its training splits a ShareGPT4V caption at ". " and joins a prefix back.
 SENTENCE_SEPARATOR = ". "
 CAPTION_SENTENCES = ("all", "random_prefix")
-# How PIL reports a broken file: OSError (truncated data, unidentified format), SyntaxError (broken PNG
-# chunks), ValueError (impossible header values), DecompressionBombError (absurd sizes).
-IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+# An image size the annotations do not record.
+_UNKNOWN_SIZE = (-1, -1)
 
 ImageTransform = Callable[[Image.Image], torch.Tensor]
 
@@ -162,7 +165,9 @@ class CocoCaptions(Dataset):
             neighbour are not trained on. All are counted.
         on_bad_image: "error" raises on a missing image, an empty caption or an unreadable image; "skip"
             drops missing images and empty captions at construction and substitutes the next sample for an
-            unreadable image, counting and logging each.
+            unreadable image, counting and logging each. An image counts as unreadable also when it is not the
+            size the annotations record, is narrower than the patch grid (with masks) or has an extreme aspect
+            ratio (`parsers.images.image_shape_problem`).
         max_samples: keep only the first N annotations of the file (before dropping any).
         comp_mask_rule: with `mask_records`, how composition words become `comp_mask` tokens
             (`datamodules.masks`: "every_occurrence" [ours] or "first_bpe_match", MACCO's original).
@@ -325,6 +330,9 @@ class CocoCaptions(Dataset):
         row_of_path = {path: row for row, path in enumerate(image_paths)}
         # Fixed-width numpy strings, not a list of str: see the module docstring on forked workers.
         self._image_paths = np.array(image_paths, dtype=np.str_)
+        sizes = {found[r.file_name]: r.annotated_size for r in reversed(kept) if r.annotated_size is not None}
+        self._annotated_sizes = np.array([sizes.get(path, _UNKNOWN_SIZE) for path in image_paths],
+                                         dtype=np.int32).reshape(-1, 2)
         self._image_rows = np.array([row_of_path[found[r.file_name]] for r in kept], dtype=np.int32)
         self.num_images = len(image_paths)
         return kept
@@ -401,10 +409,21 @@ class CocoCaptions(Dataset):
     def _load_image(self, row: int) -> Image.Image:
         path = self._row_image_path(row)
         try:
-            with Image.open(path) as image:
-                return image.convert("RGB")  # decodes every byte, so a truncated file fails here
+            image = read_rgb_file(path)  # decodes every byte, so a truncated file fails here
         except IMAGE_ERRORS as err:
             raise UnreadableImageError(f"cannot read image {path}: {err}", path) from err
+        problem = image_shape_problem(image.size, self._annotated_size(row), self._min_image_side())
+        if problem is not None:
+            raise UnreadableImageError(f"unusable image {path}: {problem}", path)
+        return image
+
+    def _annotated_size(self, row: int) -> Optional[Tuple[int, int]]:
+        width, height = (int(v) for v in self._annotated_sizes[self._image_rows[row]])
+        return None if (width, height) == _UNKNOWN_SIZE else (width, height)
+
+    def _min_image_side(self) -> int:
+        """With patch masks, one pixel per patch of the grid at least; else any image."""
+        return self.geometry.grid_size if self.masks is not None else 1
 
     def _image_and_masks(self, row: int, image: Image.Image, rng: np.random.Generator) -> Dict[str, Any]:
         """The training crop of the image, the patch mask of one sampled phrase, and the token masks."""

@@ -25,6 +25,7 @@ from datamodules.annotations import CaptionRecord, existing_path, image_path_can
 from datamodules.cache import (COUNT_KEYS, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
                               open_cache, resolve_device, shard_count)
 from datamodules.inputs import InputError, check_preprocess_inputs
+from parsers.grounding_inputs import GrounderInputError
 from parsers.scene_graph import Phrase, SceneGraph, SceneGraphParser
 
 if TYPE_CHECKING:
@@ -158,9 +159,11 @@ def image_requests(records: Sequence[CaptionRecord], graphs: Sequence[SceneGraph
             requests[key] = GroundingRequest(
                 image_path=_image_path(images, record.file_name), phrases=[p.text for p in graph.phrases],
                 image_id=record.image_id, caption_id=record.caption_id, gt_phrases=gt_phrases[record.caption_id],
-                phrase_mentions=[phrase_mentions(graph, p) for p in graph.phrases])
+                phrase_mentions=[phrase_mentions(graph, p) for p in graph.phrases],
+                annotated_size=record.annotated_size)
             continue
-        shared = requests.setdefault(key, GroundingRequest(_image_path(images, record.file_name), [], record.image_id))
+        shared = requests.setdefault(key, GroundingRequest(_image_path(images, record.file_name), [], record.image_id,
+                                                           annotated_size=record.annotated_size))
         shared.phrases.extend(p.text for p in graph.phrases if p.text not in shared.phrases)
     return list(requests.values())
 
@@ -290,11 +293,22 @@ def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounde
     todo = cache.unfinished(shard)
     log.info("%s: %d captions, %d shards, %d to do here, cache %s", source.split, len(records), cache.num_shards,
              len(todo), cache.directory)
+    if todo:
+        prepare_grounder(grounder)
     gt_phrases = gt_phrases_by_caption(source.scene_graphs) if todo else {}
     chunks = {index: records[index * size:(index + 1) * size] for index in todo}
     with split_progress(source.split, list(chunks.values())) as progress:
         return fill_shards(cache, settings, todo, lambda index: process_shard(
             chunks[index], parser, grounder, source, gt_phrases, progress))
+
+
+def prepare_grounder(grounder) -> None:
+    """Load the grounder's model before the first shard: a detector checkpoint that does not fit is refused
+    (InputError) before any caption is parsed or any cache file written."""
+    try:
+        grounder.prepare()
+    except GrounderInputError as err:
+        raise InputError(f"preprocessing cannot start:\n  - {err}") from err
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -309,7 +323,8 @@ def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
     """Preprocess every configured split; return the manifest of each.
 
     Raises:
-        InputError: a missing input or a refused option (before anything is built or written).
+        InputError: a missing input or a refused option (before anything is built or written), or a detector
+            checkpoint that does not fit its model (refused once the model is built, before any shard's work).
     """
     check_preprocess_inputs(cfg)
     parser = build_parser(cfg.preprocess)
@@ -317,8 +332,9 @@ def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
     manifests = {}
     for source in split_sources(cfg.data, cfg.preprocess):
         start = time.perf_counter()
-        manifests[source.split] = preprocess_split(cfg, source, parser, grounder, shard)
-        log.info("%s done in %.1f s: %s", source.split, time.perf_counter() - start, manifests[source.split]["counts"])
+        manifest = manifests[source.split] = preprocess_split(cfg, source, parser, grounder, shard)
+        log.info("%s done in %.1f s, %d damaged shards rebuilt: %s", source.split, time.perf_counter() - start,
+                 manifest["rebuilt_shards"], manifest["counts"])
     return manifests
 
 

@@ -12,7 +12,10 @@ A grounder turns (image, phrases) requests into boxes in ORIGINAL image pixels, 
 
 Every grounder decodes each request's image, also those that need no pixels, so that a broken file is found
 here rather than in a training DataLoader and the count does not depend on the grounder: the paths it could
-not read go to `unreadable_images`, and their phrases get empty box lists (never an exception).
+not read, or whose geometry makes boxes meaningless (`parsers.images.image_shape_problem`: not the size the
+annotations record, an extreme aspect ratio), go to `unreadable_images`, logged with the reason, and their
+phrases get empty box lists (never an exception). Images are decoded by `parsers.images.rgb_image`, which
+scales 16-bit grayscale to 8 bits (PIL's own conversion turns it white).
 `settings()` returns everything that changes a grounder's output, for the preprocessing cache key.
 
 `boxes_to_patch_mask` and `random_rectangle_mask` build the per-sample patch masks in the DataLoader, so they
@@ -35,7 +38,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from parsers.grounding_inputs import default_groundingdino_config, groundingdino_input_problems
+from parsers.grounding_inputs import GrounderInputError, default_groundingdino_config, groundingdino_input_problems
+from parsers.images import IMAGE_DECODING, IMAGE_ERRORS, image_shape_problem, read_rgb_file
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,8 @@ class GroundingRequest:
         phrase_mentions: per phrase, the character spans of the objects it names (their head nouns), in the
             one caption that `gt_phrases` annotate: the `annotations` grounder then grounds each named object
             in the tightest gt phrase around it instead of matching words (see `mention_boxes`).
+        annotated_size: (width, height) the annotations record for the image, the frame of `gt_phrases`; an
+            image file of another size is not grounded (None: not recorded, not checked).
     """
 
     image_path: str
@@ -74,12 +80,16 @@ class GroundingRequest:
     caption_id: int = 0
     gt_phrases: Optional[List[dict]] = None
     phrase_mentions: Optional[List[List[Tuple[int, int]]]] = None
+    annotated_size: Optional[Tuple[int, int]] = None
 
 
 class Grounder(Protocol):
     """What the preprocessing job needs of a grounder."""
 
-    unreadable_images: List[str]  # paths of request images that could not be decoded, in request order
+    unreadable_images: List[str]  # paths of request images that could not be decoded or used, in request order
+
+    def prepare(self) -> None:
+        """Load the model, if any: a checkpoint that does not fit is refused here, before any shard's work."""
 
     def ground(self, requests: Sequence[GroundingRequest]) -> List[List[List[Box]]]:
         """Boxes per request, per phrase (possibly empty)."""
@@ -114,25 +124,32 @@ def _package_version(name: str) -> Optional[str]:
 
 # ----- images ------------------------------------------------------------------------------------------
 def _read_rgb(path: str) -> Optional[Image.Image]:
-    """The decoded RGB image, or None when the file is missing, truncated or not an image."""
+    """The decoded 8-bit RGB image, or None when the file is missing, truncated or not an image."""
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")  # convert() decodes the whole file, so truncation raises here
-    except (OSError, Image.DecompressionBombError) as error:
+        return read_rgb_file(path)
+    except IMAGE_ERRORS as error:
         log.warning("unreadable image %s: %s", path, error)
         return None
 
 
 class ImageReader:
-    """Reads request images and keeps the paths that could not be read (shared by all grounders)."""
+    """Reads request images and keeps the paths that could not be used (shared by all grounders)."""
 
     def __init__(self):
         self.unreadable_images: List[str] = []
 
-    def _read(self, path: str) -> Optional[Image.Image]:
-        image = _read_rgb(path)
+    def prepare(self) -> None:
+        """Load what grounding needs (nothing here; a detector's weights), so bad inputs fail before any work."""
+
+    def _read(self, request: GroundingRequest) -> Optional[Image.Image]:
+        """The request's image, or None (recorded in `unreadable_images`) when it is unreadable or unusable."""
+        image = _read_rgb(request.image_path)
+        problem = image_shape_problem(image.size, request.annotated_size) if image is not None else None
+        if problem is not None:
+            log.warning("unusable image %s: %s; its phrases get no boxes", request.image_path, problem)
+            image = None
         if image is None:
-            self.unreadable_images.append(path)
+            self.unreadable_images.append(request.image_path)
         return image
 
 
@@ -155,10 +172,6 @@ def groundingdino_image_tensor(image: Image.Image, image_size: int, max_size: in
 PROMPT_MODES = ("per_phrase", "joint")
 # GroundingDINO's `max_text_len`: its forward keeps the first 256 text positions ([CLS] and [SEP] included).
 MAX_TEXT_TOKENS = 256
-
-
-class GrounderInputError(ValueError):
-    """A grounder asked for with inputs it cannot use (a missing file, no checkpoint); lists every problem."""
 
 
 def phrase_prompt(phrase: str) -> str:
@@ -260,16 +273,59 @@ def _build_groundingdino(config_file: str, text_encoder: str, device: str) -> to
         return build_model(args)
 
 
-def _load_checkpoint(model: torch.nn.Module, checkpoint: str) -> None:
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    state = state.get("model", state)
+# Keys in which a released checkpoint and the model built here legitimately differ, in either direction;
+# GroundingDINO's own loader (`load_model`, `strict=False`) ignores every difference, and these are the ones
+# the released SwinT / SwinB checkpoints show: `label_enc.weight`, the label embedding of the denoising
+# queries used only in training (the inference model has none), and BERT's `position_ids`, a constant arange
+# buffer that the released checkpoints hold but transformers >= 4.31 leaves out of the state dict (older
+# versions keep it), so either side may lack it.
+IGNORED_CHECKPOINT_KEYS = frozenset({"label_enc.weight", "bert.embeddings.position_ids"})
+# Key names quoted per kind of difference in the refusal.
+_KEYS_IN_MESSAGE = 5
+
+
+def _read_state_dict(checkpoint: str) -> Dict[str, torch.Tensor]:
+    """The checkpoint's tensors by key ("model" entry or the whole file, DDP's "module." prefix removed)."""
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    except Exception as err:  # a file that is no checkpoint fails in many ways (pickle, zip, EOF, ...)
+        raise GrounderInputError(f"GroundingDINO checkpoint {checkpoint} cannot be read as a torch checkpoint: "
+                                 f"{type(err).__name__}: {err}") from err
+    state = state.get("model", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise GrounderInputError(f"GroundingDINO checkpoint {checkpoint} holds no state dict of tensors (at the top "
+                                 f"level or under 'model')")
     # Checkpoints saved from DistributedDataParallel prefix every key with "module.".
-    state = {key.removeprefix("module."): value for key, value in state.items()}
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        log.warning("GroundingDINO checkpoint %s: %d missing keys %s, %d unexpected keys %s", checkpoint,
-                    len(result.missing_keys), result.missing_keys[:5], len(result.unexpected_keys),
-                    result.unexpected_keys[:5])
+    return {key.removeprefix("module."): value for key, value in state.items()}
+
+
+def checkpoint_mismatch(model_state: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor]) -> Dict[str, List[str]]:
+    """How a checkpoint's state dict differs from the model's: "missing", "unexpected" and "shape" keys
+    (each sorted; `IGNORED_CHECKPOINT_KEYS` left out)."""
+    missing = sorted(model_state.keys() - state.keys() - IGNORED_CHECKPOINT_KEYS)
+    unexpected = sorted(state.keys() - model_state.keys() - IGNORED_CHECKPOINT_KEYS)
+    shape = sorted(key for key in model_state.keys() & state.keys() if model_state[key].shape != state[key].shape)
+    return {"missing": missing, "unexpected": unexpected, "shape": shape}
+
+
+def _mismatch_message(checkpoint: str, config_file: str, mismatch: Dict[str, List[str]], total: int) -> str:
+    kinds = {"missing": "missing keys", "unexpected": "unexpected keys", "shape": "keys of another shape"}
+    found = "; ".join(f"{len(keys)} {kinds[kind]} (e.g. {', '.join(keys[:_KEYS_IN_MESSAGE])})"
+                      for kind, keys in mismatch.items() if keys)
+    return (f"GroundingDINO checkpoint {checkpoint} does not fit the model of {os.path.basename(config_file)} "
+            f"({total} keys): {found}. Without those weights it would ground with random ones; give the checkpoint "
+            f"of this config's variant (groundingdino_swint_ogc.pth for GroundingDINO_SwinT_OGC.py) and the text "
+            f"encoder it was trained with")
+
+
+def _load_checkpoint(model: torch.nn.Module, checkpoint: str, config_file: str) -> None:
+    """Load every weight of `model` from `checkpoint`, or refuse (GrounderInputError) if it does not fit."""
+    state = _read_state_dict(checkpoint)
+    model_state = model.state_dict()
+    mismatch = checkpoint_mismatch(model_state, state)
+    if any(mismatch.values()):
+        raise GrounderInputError(_mismatch_message(checkpoint, config_file, mismatch, len(model_state)))
+    model.load_state_dict(state, strict=False)  # only IGNORED_CHECKPOINT_KEYS can differ now
 
 
 def _phrase_token_mask(tokenizer, prompts: Sequence[str], special_ids: Sequence[int], width: int) -> torch.Tensor:
@@ -328,7 +384,9 @@ class GroundingDinoGrounder(ImageReader):
 
     Args:
         checkpoint: path of a GroundingDINO checkpoint (e.g. `groundingdino_swint_ogc.pth`). None (random,
-            seeded weights: meaningless boxes) is refused unless `allow_random_weights`.
+            seeded weights: meaningless boxes) is refused unless `allow_random_weights`; so is, when the model
+            is built (`prepare` or first use), a checkpoint that does not set every weight of the model
+            (missing, unexpected or reshaped keys other than `IGNORED_CHECKPOINT_KEYS`).
         allow_random_weights: accept `checkpoint=None`; for tests and speed measurements only.
         config_file: GroundingDINO config; default the SwinT OGC config shipped inside the package.
         text_encoder: hub name or local directory of the BERT text encoder (tokenizer + config; with a
@@ -383,8 +441,12 @@ class GroundingDinoGrounder(ImageReader):
             log.warning("GroundingDINO has RANDOM WEIGHTS (checkpoint=None): boxes are meaningless; "
                         "this is for tests only, pass checkpoint=<path to groundingdino_swint_ogc.pth>")
         else:
-            _load_checkpoint(model, self.checkpoint)
+            _load_checkpoint(model, self.checkpoint, self.config_file)
         return model.to(self.device).eval().requires_grad_(False)
+
+    def prepare(self) -> None:
+        """Build the model and load its checkpoint now (refused if it does not fit), not at the first images."""
+        _ = self.model  # the cached property builds and loads it
 
     @cached_property
     def _input_hashes(self) -> dict:
@@ -413,6 +475,7 @@ class GroundingDinoGrounder(ImageReader):
             "text_encoder": os.path.basename(os.path.normpath(self.text_encoder)), **self._input_hashes,
             "box_threshold": self.box_threshold, "text_threshold": self.text_threshold,
             "image_size": self.image_size, "max_size": self.max_size, "batch_size": self.batch_size,
+            "image_decoding": IMAGE_DECODING,
             "groundingdino_py": _package_version("groundingdino-py"),
             "transformers": _package_version("transformers"),
         }
@@ -422,7 +485,7 @@ class GroundingDinoGrounder(ImageReader):
         results: List[List[List[Box]]] = [[[] for _ in r.phrases] for r in requests]
         for start in range(0, len(requests), self.batch_size):
             chunk = range(start, min(start + self.batch_size, len(requests)))
-            images = {i: self._read(requests[i].image_path) for i in chunk}
+            images = {i: self._read(requests[i]) for i in chunk}
             readable = [i for i, image in images.items() if image is not None and requests[i].phrases]
             if readable:
                 ground = self._ground_images if self.prompt == "per_phrase" else self._ground_images_jointly
@@ -602,7 +665,7 @@ class AnnotationGrounder(ImageReader):
         return [self._request_boxes(request) for request in requests]
 
     def _request_boxes(self, request: GroundingRequest) -> List[List[Box]]:
-        if self._read(request.image_path) is None:
+        if self._read(request) is None:
             return [[] for _ in request.phrases]
         mentions = request.phrase_mentions or [None] * len(request.phrases)
         return [self._phrase_boxes(request, phrase, named) for phrase, named in zip(request.phrases, mentions)]
@@ -629,7 +692,7 @@ class NoGrounder(ImageReader):
 
     def ground(self, requests: Sequence[GroundingRequest]) -> List[List[List[Box]]]:
         for request in requests:
-            self._read(request.image_path)
+            self._read(request)
         return [[[] for _ in request.phrases] for request in requests]
 
 

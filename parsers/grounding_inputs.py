@@ -19,6 +19,11 @@ ARGUMENT_NAMES = {"config_file": "config_file", "checkpoint": "checkpoint", "tex
 _TRUE = ("1", "on", "yes", "true")
 
 
+class GrounderInputError(ValueError):
+    """A grounder asked for with inputs it cannot use (a missing file, no checkpoint, a checkpoint that does
+    not fit the model); the message lists every problem."""
+
+
 def default_groundingdino_config() -> str:
     """The SwinT OGC config file shipped inside the groundingdino package (found without importing it)."""
     spec = find_spec("groundingdino")

@@ -78,3 +78,22 @@ def test_a_truncated_feature_shard_is_named_and_the_job_to_rerun(tmp_path):
     data.write_bytes(data.read_bytes()[:-10])
     with pytest.raises(CacheError, match=rf"{data.name}.*python -m datamodules.features"):
         open_feature_cache(tmp_path).read_shard(0)
+
+
+def test_damaged_shards_are_rebuilt_named_and_counted_never_written_ones_are_not(tmp_path, caplog):
+    cache = ShardedCache(tmp_path, 4)
+    fill_shards(cache, {}, [0, 1, 2], _records)  # shard 3 never written
+    cache.data_path(0).unlink()  # data gone
+    cache.meta_path(1).write_text("{not json")  # metadata cut short
+    cache.data_path(2).write_bytes(cache.data_path(2).read_bytes()[:-3])  # data truncated
+    todo = cache.unfinished((0, 1))
+    assert todo == [0, 1, 2, 3]
+    with caplog.at_level("WARNING", logger="datamodules.cache"):
+        manifest = fill_shards(cache, {}, todo, _records)
+    assert manifest["complete"] and manifest["rebuilt_shards"] == 3
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3 and all(f"shard {i} of 4" in w for i, w in enumerate(warnings))
+    assert cache.data_path(0).name in warnings[0] and "missing" in warnings[0]
+    assert cache.meta_path(1).name in warnings[1] and cache.data_path(2).name in warnings[2]
+    assert [cache.read_shard(i) for i in range(4)] == [_records(i)[0] for i in range(4)]
+    assert "rebuilt_shards" not in (tmp_path / "manifest.json").read_text()  # a job's count, not the cache's

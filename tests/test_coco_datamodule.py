@@ -47,9 +47,10 @@ def write_png(path: Path, seed: int = 0, size: int = 48) -> Path:
     return path
 
 
-def write_coco(path: Path, file_names: dict, annotations: list) -> Path:
-    """A captions JSON: `file_names` maps image id -> file name; annotations are (id, image_id, caption[, negs])."""
-    document = {"images": [{"id": i, "file_name": name, "height": 48, "width": 48}
+def write_coco(path: Path, file_names: dict, annotations: list, size: int = 48) -> Path:
+    """A captions JSON: `file_names` maps image id -> file name; annotations are (id, image_id, caption[, negs]);
+    every image is recorded as `size` x `size`."""
+    document = {"images": [{"id": i, "file_name": name, "height": size, "width": size}
                            for i, name in file_names.items()],
                 "annotations": [_annotation(*fields) for fields in annotations]}
     path.write_text(json.dumps(document))
@@ -225,6 +226,83 @@ def test_missing_or_invalid_annotation_file_is_an_error_naming_it(tmp_path, toke
         dataset(tmp_path, tokenizer, transform)
 
 
+# ----- odd images: bit depth, degenerate geometry, a size the annotations do not record ------------------
+def test_a_16_bit_png_gives_the_sample_of_its_8_bit_version(tmp_path, tokenizer, transform):
+    gray = np.random.default_rng(0).integers(0, 256, (48, 48), dtype=np.uint8)
+    for folder, pixels in (("eight", gray), ("sixteen", gray.astype(np.uint16) * 257)):
+        (tmp_path / folder / "images").mkdir(parents=True)
+        Image.fromarray(pixels).save(tmp_path / folder / "images" / "a.png")
+        write_coco(tmp_path / folder / "captions.json", {1: "a.png"}, [(1, 1, "a gray square")])
+    eight, sixteen = (dataset(tmp_path / folder, tokenizer, transform)[0]["image"] for folder in ("eight", "sixteen"))
+    assert torch.equal(sixteen, eight)  # PIL's own conversion would give a white image
+
+
+# file name -> (file width, height); the annotations record each file's own size except "resized.png"'s.
+ODD_IMAGES = {"good.png": (48, 48), "one_pixel.png": (1, 1), "sliver.png": (10000, 10), "resized.png": (40, 48)}
+MASK_GRID = 4
+
+
+def write_odd_images(root: Path) -> None:
+    """Captions 1-4 on the images of ODD_IMAGES in order, caption 5 on the good one again."""
+    (root / "images").mkdir(parents=True)
+    for name, size in ODD_IMAGES.items():
+        Image.new("RGB", size, (200, 30, 30)).save(root / "images" / name)
+    images = [{"id": i, "file_name": name, "width": 48 if name == "resized.png" else size[0], "height": size[1]}
+              for i, (name, size) in enumerate(ODD_IMAGES.items(), start=1)]
+    annotations = [{"id": i, "image_id": i, "caption": "a red square"} for i in range(1, 5)]
+    annotations.append({"id": 5, "image_id": 1, "caption": "a red square"})
+    (root / "captions.json").write_text(json.dumps({"images": images, "annotations": annotations}))
+
+
+def box_record(caption_id: int, box: list) -> dict:
+    """A cache record whose one phrase has one box (original pixels, xyxy, score)."""
+    caption = "a red square"
+    return {"caption_id": caption_id, "image_id": 0, "caption": caption, "obj_spans": [], "comp_spans": [],
+            "phrases": [{"text": caption, "kind": "object", "boxes": [box + [1.0]]}],
+            "graph": {"caption": caption, "entities": [], "relations": [], "phrases": []}}
+
+
+def odd_dataset(root: Path, tokenizer, **options) -> CocoCaptions:
+    """With patch masks; each phrase box lies at the left end of its image (outside a sliver's centre crop)."""
+    from datamodules.masks import PatchGeometry
+    from datamodules.transforms import CropResize
+
+    records = {i: box_record(i, [0, 0, 1, 1] if i == 2 else [0, 0, 10, 10]) for i in range(1, 6)}
+    return dataset(root, tokenizer, CropResize(32, (0.5,) * 3, (0.5,) * 3), mask_records=records,
+                   geometry=PatchGeometry(32, MASK_GRID, random_rectangle_prob=0.0), **options)
+
+
+@pytest.mark.parametrize("index, name, reason", [
+    (1, "one_pixel.png", f"shorter than {MASK_GRID} px"),
+    (2, "sliver.png", "aspect ratio over 10:1"),
+    (3, "resized.png", "the file is 40x48 but the annotations record 48x48"),
+])
+def test_odd_image_is_an_error_naming_the_file_and_why(tmp_path, tokenizer, index, name, reason):
+    write_odd_images(tmp_path)
+    data = odd_dataset(tmp_path, tokenizer)
+    assert data[0]["patch_mask"].any()
+    with pytest.raises(UnreadableImageError, match=f"{re.escape(name)}: .*{re.escape(reason)}"):
+        data[index]
+
+
+def test_odd_images_are_substituted_counted_and_logged_with_skip(tmp_path, tokenizer, caplog):
+    write_odd_images(tmp_path)
+    data = odd_dataset(tmp_path, tokenizer, on_bad_image="skip")
+    with caplog.at_level(logging.WARNING, logger="datamodules.coco"):
+        samples = [data[i] for i in range(len(data))]
+    assert [s["bad_image"] for s in samples] == [False, True, True, True, False]
+    assert [s["caption_id"] for s in samples] == [1, 5, 5, 5, 5]  # the next usable sample stands in
+    assert all(s["patch_mask"].any() for s in samples)  # never the empty mask of a sliver's crop
+    messages = [r.getMessage() for r in caplog.records if r.name == "datamodules.coco"]
+    assert all(sum(name in m for m in messages) == 1 for name in ("one_pixel.png", "sliver.png", "resized.png"))
+
+
+def test_without_masks_only_the_size_and_the_aspect_ratio_matter(tmp_path, tokenizer, transform):
+    write_odd_images(tmp_path)
+    data = dataset(tmp_path, tokenizer, transform, on_bad_image="skip")
+    assert [data[i]["bad_image"] for i in range(len(data))] == [False, False, True, True, False]
+
+
 # ----- NegCLIP TSV --------------------------------------------------------------------------------------
 def write_negclip_tsv(path: Path, rows: list) -> Path:
     """Rows of (title, filepath, neg_caption list[, neg_image list]), written the way pandas
@@ -277,7 +355,7 @@ def test_real_negclip_tsv_parses():
 @pytest.fixture
 def eleven_samples(tmp_path, tokenizer, transform) -> CocoCaptions:
     write_png(tmp_path / "images" / "a.png", size=IMAGE_SIZE)
-    write_coco(tmp_path / "captions.json", {1: "a.png"}, [(i, 1, f"caption {i}") for i in range(11)])
+    write_coco(tmp_path / "captions.json", {1: "a.png"}, [(i, 1, f"caption {i}") for i in range(11)], IMAGE_SIZE)
     return dataset(tmp_path, tokenizer, transform)
 
 

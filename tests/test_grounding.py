@@ -5,6 +5,9 @@ import hashlib
 import io
 import json
 import os
+import re
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -15,6 +18,7 @@ from tolerance import scaled_close
 
 from parsers.grounding import (
     GROUNDERS,
+    GrounderInputError,
     MIN_IMAGE_SIZE,
     GroundingRequest,
     boxes_to_patch_mask,
@@ -28,6 +32,7 @@ from parsers.grounding import (
     select_boxes,
     span_token_masks,
 )
+from parsers.images import IMAGE_DECODING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any accidental hub call fails fast
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -153,21 +158,92 @@ def test_settings_json_and_sensitive_to_thresholds(grounder, bert_dir):
     assert json.loads(json.dumps(settings)) == settings
     assert settings["checkpoint"] is None and settings["random_init_seed"] == 0
     assert settings["config"] == "GroundingDINO_SwinT_OGC.py" and len(settings["config_sha256"]) == 64
+    assert settings["image_decoding"] == IMAGE_DECODING  # boxes found on differently decoded pixels are not reused
     assert {"vocab.txt", "config.json", "model.safetensors"} <= set(settings["text_encoder_sha256"])
     assert groundingdino(bert_dir, box_threshold=0.3, batch_size=2).settings() == dict(settings, box_threshold=0.3)
     assert groundingdino(bert_dir, text_threshold=0.2, batch_size=2).settings() == dict(settings, text_threshold=0.2)
 
 
-def test_checkpoint_from_ddp_loads_and_is_hashed(bert_dir, tmp_path, caplog):
-    weight = torch.full((256, 32), 0.5)  # feat_map: BERT width 32 -> GroundingDINO width 256
-    path = tmp_path / "groundingdino.pth"
-    torch.save({"model": {"module.feat_map.weight": weight}}, path)
-    loaded = groundingdino(bert_dir, checkpoint=str(path))
-    assert torch.equal(loaded.model.feat_map.weight, weight)
-    assert "missing keys" in caplog.text  # a partial checkpoint is loud, not silent
+# ----- checkpoints --------------------------------------------------------------------------------------
+def constant_state(model_state: dict, value: float = 0.125) -> dict:
+    """Every key of a GroundingDINO state dict at its shape and dtype, each one broadcast constant (saved as a
+    single element: a few kB instead of the 250 MB of the real tensors)."""
+    return {key: torch.tensor(value).to(tensor.dtype).expand(tensor.shape) for key, tensor in model_state.items()}
+
+
+def save_checkpoint(path, state: dict, ddp: bool = True) -> str:
+    """As GroundingDINO's training saves it: under "model", keys prefixed with "module." by DDP."""
+    torch.save({"model": {("module." if ddp else "") + key: value for key, value in state.items()}}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_state(grounder):
+    """The keys, shapes and dtypes a checkpoint must have: those of the model the grounder builds."""
+    return grounder.model.state_dict()
+
+
+def test_complete_checkpoint_from_ddp_loads_every_weight_and_is_hashed(bert_dir, tmp_path, model_state):
+    state = constant_state(model_state)
+    state["feat_map.weight"] = torch.full(model_state["feat_map.weight"].shape, 0.5)  # BERT 32 -> 256 wide
+    # What the released checkpoints carry beyond the inference model, and the official loader ignores.
+    state["label_enc.weight"] = torch.zeros(2001, 256)
+    state["bert.embeddings.position_ids"] = torch.arange(512).view(1, -1)
+    path = save_checkpoint(tmp_path / "groundingdino.pth", state)
+    loaded = groundingdino(bert_dir, checkpoint=path)
+    loaded.prepare()
+    assert all(torch.equal(value, state[key]) for key, value in loaded.model.state_dict().items())
     settings = loaded.settings()
     assert settings["checkpoint"] == "groundingdino.pth" and settings["random_init_seed"] is None
-    assert settings["checkpoint_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert settings["checkpoint_sha256"] == hashlib.sha256((tmp_path / "groundingdino.pth").read_bytes()).hexdigest()
+
+
+def without(state: dict, prefix: str) -> dict:
+    return {key: value for key, value in state.items() if not key.startswith(prefix)}
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda s: without(s, "backbone."), r"\d+ missing keys \(e.g. backbone\.0\."),  # a checkpoint without Swin
+    (lambda s: {**s, "head.extra.weight": torch.ones(3)}, r"1 unexpected keys \(e.g. head\.extra\.weight\)"),
+    (lambda s: {**s, "feat_map.weight": torch.ones(256, 768)}, r"1 keys of another shape \(e.g. feat_map\.weight"),
+    (lambda s: {"image_encoder.weight": torch.ones(3)}, r"762 missing keys .*1 unexpected keys"),  # another model
+])
+def test_checkpoint_that_does_not_fit_is_refused_naming_the_file(bert_dir, tmp_path, model_state, change, expected):
+    path = save_checkpoint(tmp_path / "wrong.pth", change(constant_state(model_state)), ddp=False)
+    grounder = groundingdino(bert_dir, checkpoint=path)
+    with pytest.raises(GrounderInputError, match=expected) as refused:
+        grounder.prepare()
+    assert path in str(refused.value) and "GroundingDINO_SwinT_OGC.py" in str(refused.value)
+
+
+def test_file_that_is_no_checkpoint_is_refused_naming_it(bert_dir, tmp_path):
+    path = tmp_path / "notes.pth"
+    path.write_bytes(b"these are not weights")
+    with pytest.raises(GrounderInputError, match=f"{path} cannot be read as a torch checkpoint"):
+        groundingdino(bert_dir, checkpoint=str(path)).prepare()
+
+
+def test_preprocessing_refuses_a_partial_checkpoint_before_any_work(bert_dir, tmp_path, model_state):
+    """The CLI: exit status 1, one message naming the file and what is missing, no traceback, no cache."""
+    from core.config import REPO_ROOT
+    from datamodules.shapes import generate
+
+    generate(tmp_path / "shapes", n_train=2, n_val=0, image_size=64, seed=0)
+    checkpoint = save_checkpoint(tmp_path / "partial.pth", without(constant_state(model_state), "transformer."))
+    overrides = [f"data.root={tmp_path / 'shapes'}", "data.train_annotations=annotations/captions_train.json",
+                 "data.train_images=images/train", "data.val_annotations=", f"preprocess.cache_root={tmp_path / 'c'}",
+                 "preprocess.grounder=groundingdino", f"preprocess.groundingdino_checkpoint={checkpoint}",
+                 f"preprocess.text_encoder={bert_dir}", f"preprocess.grounding_image_size={IMAGE_SIZE}",
+                 "preprocess.device=cpu"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    # The bound only guards against a hang; the refusal comes once the model is built (seconds).
+    cli = subprocess.run([sys.executable, "-m", "datamodules.preprocess", *overrides], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 1, cli.stderr
+    assert "Traceback" not in cli.stderr
+    assert re.search(rf"error: preprocessing cannot start:\n  - GroundingDINO checkpoint {re.escape(checkpoint)} "
+                     rf"does not fit .*: \d+ missing keys \(e\.g\. transformer\.", cli.stderr), cli.stderr
+    assert not (tmp_path / "c").exists()
 
 
 def test_too_small_image_size_is_rejected(bert_dir):
@@ -290,6 +366,32 @@ def test_grounders_without_pixels_still_record_unreadable_images(name, image_fil
     assert grounded[1:] == [[[]], []]
     assert grounder.unreadable_images == [image_files["truncated"], image_files["missing"]]
     assert (grounded[0] != [[]]) == (name == "annotations")
+
+
+def test_a_16_bit_png_is_grounded_as_its_8_bit_version(tmp_path, grounder):
+    gray = np.random.default_rng(0).integers(0, 256, (30, 40), dtype=np.uint8)
+    Image.fromarray(gray).save(tmp_path / "eight.png")
+    Image.fromarray(gray.astype(np.uint16) * 257).save(tmp_path / "sixteen.png")
+    eight, sixteen = (grounder._read(GroundingRequest(str(tmp_path / name), ["x"])) for name in ("eight.png",
+                                                                                                 "sixteen.png"))
+    assert np.array_equal(np.asarray(sixteen), np.asarray(eight))  # PIL's own conversion gives white
+
+
+@pytest.mark.parametrize("name", ["annotations", "none"])
+def test_images_whose_boxes_would_be_meaningless_are_not_grounded(name, tmp_path, image_files, caplog):
+    """A sliver (the detector cannot see it whole, the crop would miss its boxes) and a file of another size than
+    the annotations record (their boxes are in another frame) are logged and counted with the unreadable ones."""
+    Image.new("RGB", (10000, 10)).save(tmp_path / "sliver.png")
+    grounder = build_grounder(name)
+    requests = [GroundingRequest(image_files["wide"], ["red car"], gt_phrases=GT_PHRASES,
+                                 annotated_size=(320, 240)),
+                GroundingRequest(str(tmp_path / "sliver.png"), ["red car"], gt_phrases=GT_PHRASES),
+                GroundingRequest(image_files["tall"], ["red car"], gt_phrases=GT_PHRASES,
+                                 annotated_size=(300, 200))]
+    grounded = grounder.ground(requests)
+    assert grounded[1:] == [[[]], [[]]] and (grounded[0] != [[]]) == (name == "annotations")
+    assert grounder.unreadable_images == [str(tmp_path / "sliver.png"), image_files["tall"]]
+    assert "aspect ratio" in caplog.text and "the file is 200x300 but the annotations record 300x200" in caplog.text
 
 
 # ----- boxes -> patch masks ---------------------------------------------------------------------------

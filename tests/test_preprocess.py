@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -90,17 +91,23 @@ def test_shard_split_over_workers_covers_everything_once(shapes_root, tmp_path):
     assert second["train"]["complete"] and second["train"]["counts"]["captions"] == 24
 
 
-def test_corrupt_shard_is_named_on_load_and_rebuilt_on_rerun(shapes_root, tmp_path):
+def test_corrupt_shard_is_named_on_load_and_rebuilt_on_rerun(shapes_root, tmp_path, caplog):
     cfg = shapes_config(shapes_root, tmp_path)
-    preprocess.run(cfg)
+    assert preprocess.run(cfg)["train"]["rebuilt_shards"] == 0
     victim = sorted(tmp_path.rglob("shard-00001-of-00005.jsonl.gz"))[0]
     victim.write_bytes(victim.read_bytes()[:-7])  # truncated
     cache = open_cache(victim.parent)
     with pytest.raises(CacheError, match=victim.name):
         list(cache.read_all())
     assert not cache.is_done(1)
-    preprocess.run(cfg)
+    with caplog.at_level(logging.INFO):
+        manifests = preprocess.run(cfg)
     assert len(list(open_cache(victim.parent).read_all())) == 24
+    # The rebuild is reported: a warning naming the shard, and a count in the job's summary.
+    assert manifests["train"]["rebuilt_shards"] == 1 and manifests["val"]["rebuilt_shards"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "shard 1 of 5" in warnings[0] and victim.name in warnings[0]
+    assert "train done in" in caplog.text and "1 damaged shards rebuilt" in caplog.text
 
 
 def test_missing_cache_is_a_clear_error(tmp_path):
@@ -128,6 +135,30 @@ def test_captions_without_entities_and_unreadable_images_are_counted_not_fatal(t
     counts = preprocess.run(cfg)["train"]["counts"]
     assert counts["captions"] == 4 and counts["no_object"] == 2 and counts["unreadable_images"] == 1
     assert counts["no_composition"] >= 2 and counts["grounded"] == 0
+
+
+def test_images_of_another_size_than_recorded_or_slivers_are_counted_with_the_unreadable(tmp_path, caplog):
+    """Their boxes would be in the wrong frame (or cropped away): logged, counted, and given no boxes."""
+    from PIL import Image
+
+    root = tmp_path / "data"
+    (root / "images").mkdir(parents=True)
+    sizes = {"right.png": ((40, 30), (40, 30)), "resized.png": ((40, 30), (80, 60)),
+             "sliver.png": ((3000, 30), (3000, 30))}  # name: (file size, recorded size)
+    for name, (size, _) in sizes.items():
+        Image.new("RGB", size, (200, 10, 10)).save(root / "images" / name)
+    document = {"images": [{"id": i, "file_name": name, "width": recorded[0], "height": recorded[1]}
+                           for i, (name, (_, recorded)) in enumerate(sizes.items(), start=1)],
+                "annotations": [{"id": i, "image_id": i, "caption": "a dog on a red sofa"} for i in (1, 2, 3)]}
+    (root / "captions.json").write_text(json.dumps(document))
+    cfg = load_config([], [f"data.root={root}", "data.train_annotations=captions.json", "data.train_images=images",
+                           "data.val_annotations=", f"preprocess.cache_root={tmp_path / 'c'}",
+                           "preprocess.grounder=none"])
+    with caplog.at_level(logging.WARNING):
+        counts = preprocess.run(cfg)["train"]["counts"]
+    assert counts["captions"] == 3 and counts["unreadable_images"] == 2
+    assert "resized.png: the file is 40x30 but the annotations record 80x60" in caplog.text
+    assert "sliver.png: 3000x30 has an aspect ratio over 10:1" in caplog.text
 
 
 def test_datamodule_reads_masks_from_the_cache(shapes_root, tmp_path):
