@@ -47,7 +47,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--config", action="append", default=[], help="YAML merged over configs/base.yaml, "
                         "in the order given (repeatable)")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.max_steps=100")
-    return parser.parse_args(argv)
+    # Options and key=value overrides may interleave (`--config a.yaml k=v --config b.yaml`): plain parse_args
+    # takes the positionals once and calls later ones unrecognized. Every --config still merges before every
+    # override, each in the order given.
+    return parser.parse_intermixed_args(argv)
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
