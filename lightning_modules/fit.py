@@ -10,6 +10,7 @@ training is refused before anything is built or written (leakage.py), unless eva
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import shutil
@@ -24,10 +25,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from core.config import load_config_or_exit, save_config
+from core.config import ConfigError, load_config_or_exit, save_config
 from datamodules.coco import CocoDataModule
-from datamodules.inputs import InputError, check_data_inputs
-from evaluation.benchmarks import Benchmark
+from datamodules.inputs import InputError, data_input_problems, raise_if_any
+from evaluation.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData
 from evaluation.harness import build_benchmarks, default_roots
 from evaluation.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
 from lightning_modules import METHODS, method_class
@@ -239,14 +240,55 @@ def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.Ligh
 
 
 def check_inputs(cfg: DictConfig) -> None:
-    """The data this run reads exists and the method uses the hard negatives it is given (`InputError` naming
-    every problem) before anything is built."""
-    method = method_class(cfg.method.name)
-    problems = hard_negative_problems(cfg, method)
-    if problems:
-        raise InputError("training cannot start:\n" + "\n".join(f"  - {problem}" for problem in problems))
+    """Before anything is built: the method is registered (`ConfigError`, naming the closest), the config asks
+    nothing of it that it cannot do, and the data this run reads exists (`InputError` naming every problem)."""
+    method = registered_method(cfg.method.name)
+    raise_if_any(config_problems(cfg, method), "training")
+    raise_if_any(data_problems(cfg, method), "training")
+
+
+def registered_method(name: str) -> type:
+    """The method class registered as `name`; a typo is a one-line `ConfigError` with the closest and every name."""
+    if name not in METHODS:
+        closest = difflib.get_close_matches(name, list(METHODS), n=1)
+        hint = f"; did you mean '{closest[0]}'?" if closest else ""
+        raise ConfigError(f"method.name={name!r} is not a registered method{hint} (methods: "
+                          f"{', '.join(sorted(METHODS))})")
+    return METHODS[name]
+
+
+def config_problems(cfg: DictConfig, method: type) -> List[str]:
+    """What the config asks of `method` that cannot work, found without reading any file (slurm.sweep checks
+    every run of a sweep with this before submitting)."""
+    return hard_negative_problems(cfg, method) + mask_problems(cfg, method) + benchmark_name_problems(cfg)
+
+
+def data_problems(cfg: DictConfig, method: type) -> List[str]:
+    """The data files this run reads that are missing (the image folders not, for a method on cached features)."""
     reads_features = bool(cfg.data.features_cache) and getattr(method, "reads_cached_features", False)
-    check_data_inputs(cfg, need_images=not reads_features)
+    return data_input_problems(cfg.data, need_train=True, need_images=not reads_features)
+
+
+def mask_problems(cfg: DictConfig, method: type) -> List[str]:
+    """A method that reads the preprocessing cache's masks from every batch (its `required_masks`) needs
+    `data.masks=true`; without it the first training step would fail."""
+    masks = getattr(method, "required_masks", ())
+    if not masks or cfg.data.masks:
+        return []
+    return [f"data.masks=false: method {cfg.method.name} reads {' and '.join(masks)} from every batch: set "
+            f"data.masks=true and run python -m datamodules.preprocess with this run's --config files and "
+            f"overrides first"]
+
+
+def benchmark_name_problems(cfg: DictConfig) -> List[str]:
+    """`evaluation.benchmarks` entries that are not registered benchmarks, each with the closest name."""
+    problems = []
+    for name in cfg.evaluation.benchmarks:
+        if name not in BENCHMARKS:
+            closest = difflib.get_close_matches(name, list(BENCHMARKS), n=1)
+            hint = f"; did you mean '{closest[0]}'?" if closest else f" (benchmarks: {', '.join(sorted(BENCHMARKS))})"
+            problems.append(f"evaluation.benchmarks: {name!r} is not a registered benchmark{hint}")
+    return problems
 
 
 def hard_negative_problems(cfg: DictConfig, method: type) -> List[str]:
@@ -293,9 +335,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
         run(load_config_or_exit(args.config, args.overrides))
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from None
     except (ResumeConfigError, TrainingOverlapError) as err:
         raise SystemExit(f"refused: {err}") from None
-    except InputError as err:
+    except (InputError, MissingBenchmarkData) as err:
         raise SystemExit(str(err)) from None
 
 
