@@ -43,6 +43,8 @@ def test_wrong_type_and_bad_choice_are_errors():
         load_config([], ["optim.lr=fast"])
     with pytest.raises(ConfigError, match="on_bad_image"):
         load_config([], ["data.on_bad_image=ignore"])
+    with pytest.raises(ConfigError, match="data.on_bad_image='skp' is not one of error, skip; did you mean 'skip'"):
+        load_config([], ["data.on_bad_image=skp"])
 
 
 def test_merge_order(tmp_path):
@@ -57,6 +59,10 @@ def test_merge_order(tmp_path):
 def test_missing_file_and_malformed_override():
     with pytest.raises(ConfigError, match="not found"):
         load_config([Path("configs/nope.yaml")])
+    demo = REPO_ROOT / "configs" / "demo"
+    with pytest.raises(ConfigError) as missing:
+        load_config([demo / "cea.yaml"])
+    assert str(missing.value) == f"config file not found: {demo / 'cea.yaml'}; did you mean {demo / 'cae.yaml'}?"
     with pytest.raises(ConfigError, match="key=value"):
         load_config([], ["trainer.max_steps"])
 
