@@ -100,10 +100,11 @@ SWEEPS = sorted((REPO_ROOT / "configs" / "sweeps").glob("*.yaml"))
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
 def test_every_run_of_every_shipped_sweep_validates(path, monkeypatch):
     # A sweep's config paths and overrides are relative to the repository root, as `make study` runs them.
-    from slurm.sweep import load_sweep
+    from slurm.sweep import check_runs, load_sweep
     monkeypatch.chdir(REPO_ROOT)
     sweep = load_sweep(path)
     assert sweep.runs
+    check_runs(sweep, range(len(sweep.runs)), data_here=False)  # as fit checks each run before training
     for run in sweep.runs:
         cfg = load_config(run.configs, run.overrides + [f"experiment={run.name}"])
         assert cfg.method.name in METHODS
