@@ -35,7 +35,7 @@ from lightning_modules import METHODS, method_class
 from lightning_modules.attribution.monitor import build_attribution_monitor
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
-                                        SamplesPerSecond)
+                                        SamplesPerSecond, run_progress_bar)
 from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, candidates, check_resume_config,
                                      checked_checkpoint, checkpoint_step, choose_resume_checkpoint, ResumeConfigError)
 
@@ -158,6 +158,8 @@ def build_callbacks(cfg: DictConfig, run_dir: Path,
         ExportCallback(run_dir / "export"),
         SamplesPerSecond(),
     ]
+    if cfg.trainer.enable_progress_bar:  # Lightning refuses a bar in the callbacks when the flag is off
+        callbacks.append(run_progress_bar())
     if cfg.checkpoint.monitor and has_validation(cfg):
         callbacks.append(ModelCheckpoint(
             dirpath=run_dir / CHECKPOINT_DIR, filename="best-{step}", monitor=cfg.checkpoint.monitor,
