@@ -6,7 +6,9 @@ names the closest valid key.
 """
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,6 +364,13 @@ OPEN_MAPPINGS = ("evaluation.roots", "evaluation.options")
 
 
 def schema() -> DictConfig:
+    """A fresh copy of the schema, built once (OmegaConf.structured takes most of a `load_config`, which a sweep's
+    check runs once per run)."""
+    return copy.deepcopy(_built_schema())
+
+
+@functools.lru_cache(maxsize=1)
+def _built_schema() -> DictConfig:
     cfg = OmegaConf.structured(ExperimentConfig)
     OmegaConf.set_struct(cfg, True)
     for free_form in OPEN_MAPPINGS:  # keyed by benchmark name: any key is valid
@@ -402,8 +411,11 @@ def _unknown_key_error(full_key: str, source: str) -> ConfigError:
 
 
 def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
+    """`other` merged into `cfg` in place (what OmegaConf.merge does after copying `cfg`: the copy of the whole
+    config per file and per override made a sweep's check of its runs slow); the error names `source`."""
     try:
-        return OmegaConf.merge(cfg, other)
+        cfg.merge_with(other)
+        return cfg
     except (ConfigAttributeError, ConfigKeyError) as err:
         raise _unknown_key_error(str(err.full_key), source) from None
     except ValidationError as err:
@@ -411,9 +423,18 @@ def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
         raise ConfigError(f"invalid value for '{err.full_key}' in {source}: {reason}") from None
 
 
+def _closest_config_file(path: Path) -> Optional[Path]:
+    """The YAML file beside `path` (in its folder, when that exists) whose name is closest to a missing one's."""
+    folder = path.parent
+    names = sorted(p.name for p in folder.glob("*.y*ml")) if folder.is_dir() else []
+    matches = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return folder / matches[0] if matches else None
+
+
 def _read_yaml(path: Path) -> DictConfig:
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        closest = _closest_config_file(path)
+        raise ConfigError(f"config file not found: {path}" + (f"; did you mean {closest}?" if closest else ""))
     loaded = OmegaConf.load(path)
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"{path} must hold a mapping at the top level")
@@ -424,7 +445,9 @@ def _check_choices(cfg: DictConfig) -> None:
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+            closest = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f"; did you mean '{closest[0]}'?" if closest else ""
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
 
 
 def load_config(config_files: Sequence[os.PathLike | str] = (), overrides: Sequence[str] = (),

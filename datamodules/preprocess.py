@@ -316,7 +316,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--config", action="append", default=[], help="experiment YAML(s), as for fit")
     add_shard_argument(parser)
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. preprocess.grounder=none")
-    return parser.parse_args(argv)
+    # Options and overrides may interleave (`--config a.yaml k=v --config b.yaml k2=v2`); every --config file
+    # still merges before every override, each in the order given.
+    return parser.parse_intermixed_args(argv)
 
 
 def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import lightning as L
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from torch import nn
 
 from core.export import export_model
@@ -92,6 +94,34 @@ class SamplesPerSecond(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._last_end = time.perf_counter() if self._last_end is not None else None
+
+
+class RunProgress:
+    """What Lightning's progress bars show, less two items that mean nothing in a fit run: the logger's version
+    (`v_num`: always 0, since a resumed run continues the same TensorBoard curves) and the epoch total of a run
+    bounded by steps (`max_epochs=-1` made the Rich bar's description `Epoch k/-2`)."""
+
+    def get_metrics(self, trainer: L.Trainer, module: L.LightningModule) -> dict:
+        metrics = super().get_metrics(trainer, module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+class RichRunProgress(RunProgress, RichProgressBar):
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        # padded to the validation description's length as Lightning does, so the bars do not flicker
+        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+
+
+class TQDMRunProgress(RunProgress, TQDMProgressBar):
+    """The tqdm bar shows the epoch without a total already."""
+
+
+def run_progress_bar() -> ProgressBar:
+    """The progress bar Lightning would pick (Rich when installed, else tqdm), showing what means something."""
+    return RichRunProgress() if _RICH_AVAILABLE else TQDMRunProgress()
 
 
 class MidEpochStopState(L.Callback):

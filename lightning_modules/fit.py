@@ -13,6 +13,7 @@ or written (leakage.py), unless evaluation.allow_train_overlap.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import shutil
@@ -30,17 +31,17 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from core.config import load_config_or_exit, save_config
+from core.config import ConfigError, load_config_or_exit, save_config
 from datamodules.coco import CocoDataModule
-from datamodules.inputs import InputError, check_data_inputs
-from evaluation.benchmarks import Benchmark
+from datamodules.inputs import InputError, data_input_problems, raise_if_any
+from evaluation.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData
 from evaluation.harness import build_benchmarks, default_roots
 from evaluation.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
 from lightning_modules import METHODS, method_class
 from lightning_modules.attribution.monitor import build_attribution_monitor
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
-                                        SamplesPerSecond)
+                                        SamplesPerSecond, run_progress_bar)
 from lightning_modules.base import NonFiniteLossError
 from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, candidates, check_resume_config,
                                      checked_checkpoint, checkpoint_step, choose_resume_checkpoint, ResumeConfigError)
@@ -56,7 +57,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--config", action="append", default=[], help="YAML merged over configs/base.yaml, "
                         "in the order given (repeatable)")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.max_steps=100")
-    return parser.parse_args(argv)
+    # Options and key=value overrides may interleave (`--config a.yaml k=v --config b.yaml`): plain parse_args
+    # takes the positionals once and calls later ones unrecognized. Every --config still merges before every
+    # override, each in the order given.
+    return parser.parse_intermixed_args(argv)
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
@@ -198,6 +202,8 @@ def build_callbacks(cfg: DictConfig, run_dir: Path,
         ExportCallback(run_dir / "export"),
         SamplesPerSecond(),
     ]
+    if cfg.trainer.enable_progress_bar:  # Lightning refuses a bar in the callbacks when the flag is off
+        callbacks.append(run_progress_bar())
     if cfg.checkpoint.monitor and has_validation(cfg):
         callbacks.append(ModelCheckpoint(
             dirpath=run_dir / CHECKPOINT_DIR, filename="best-{step}", monitor=cfg.checkpoint.monitor,
@@ -281,14 +287,55 @@ def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.Ligh
 
 
 def check_inputs(cfg: DictConfig) -> None:
-    """The data this run reads exists and the method uses the hard negatives it is given (`InputError` naming
-    every problem) before anything is built."""
-    method = method_class(cfg.method.name)
-    problems = hard_negative_problems(cfg, method)
-    if problems:
-        raise InputError("training cannot start:\n" + "\n".join(f"  - {problem}" for problem in problems))
+    """Before anything is built: the method is registered (`ConfigError`, naming the closest), the config asks
+    nothing of it that it cannot do, and the data this run reads exists (`InputError` naming every problem)."""
+    method = registered_method(cfg.method.name)
+    raise_if_any(config_problems(cfg, method), "training")
+    raise_if_any(data_problems(cfg, method), "training")
+
+
+def registered_method(name: str) -> type:
+    """The method class registered as `name`; a typo is a one-line `ConfigError` with the closest and every name."""
+    if name not in METHODS:
+        closest = difflib.get_close_matches(name, list(METHODS), n=1)
+        hint = f"; did you mean '{closest[0]}'?" if closest else ""
+        raise ConfigError(f"method.name={name!r} is not a registered method{hint} (methods: "
+                          f"{', '.join(sorted(METHODS))})")
+    return METHODS[name]
+
+
+def config_problems(cfg: DictConfig, method: type) -> List[str]:
+    """What the config asks of `method` that cannot work, found without reading any file (slurm.sweep checks
+    every run of a sweep with this before submitting)."""
+    return hard_negative_problems(cfg, method) + mask_problems(cfg, method) + benchmark_name_problems(cfg)
+
+
+def data_problems(cfg: DictConfig, method: type) -> List[str]:
+    """The data files this run reads that are missing (the image folders not, for a method on cached features)."""
     reads_features = bool(cfg.data.features_cache) and getattr(method, "reads_cached_features", False)
-    check_data_inputs(cfg, need_images=not reads_features)
+    return data_input_problems(cfg.data, need_train=True, need_images=not reads_features)
+
+
+def mask_problems(cfg: DictConfig, method: type) -> List[str]:
+    """A method that reads the preprocessing cache's masks from every batch (its `required_masks`) needs
+    `data.masks=true`; without it the first training step would fail."""
+    masks = getattr(method, "required_masks", ())
+    if not masks or cfg.data.masks:
+        return []
+    return [f"data.masks=false: method {cfg.method.name} reads {' and '.join(masks)} from every batch: set "
+            f"data.masks=true and run python -m datamodules.preprocess with this run's --config files and "
+            f"overrides first"]
+
+
+def benchmark_name_problems(cfg: DictConfig) -> List[str]:
+    """`evaluation.benchmarks` entries that are not registered benchmarks, each with the closest name."""
+    problems = []
+    for name in cfg.evaluation.benchmarks:
+        if name not in BENCHMARKS:
+            closest = difflib.get_close_matches(name, list(BENCHMARKS), n=1)
+            hint = f"; did you mean '{closest[0]}'?" if closest else f" (benchmarks: {', '.join(sorted(BENCHMARKS))})"
+            problems.append(f"evaluation.benchmarks: {name!r} is not a registered benchmark{hint}")
+    return problems
 
 
 def hard_negative_problems(cfg: DictConfig, method: type) -> List[str]:
@@ -375,9 +422,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
         run(load_config_or_exit(args.config, args.overrides))
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from None
     except (ResumeConfigError, TrainingOverlapError, RunDirectoryBusy) as err:
         raise SystemExit(f"refused: {err}") from None
-    except InputError as err:
+    except (InputError, MissingBenchmarkData) as err:
         raise SystemExit(str(err)) from None
     except StoppedBySignal as err:
         print(str(err), file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@
 
 It writes one JSON document and one Markdown table. Sections run under time budgets, so the whole check stays
 within `--budget-s` (default 7 minutes); a row or section that fails (out of memory, an op without CUDA support)
-is recorded with its error and the rest still runs.
+is recorded with its error and the rest still runs. `--no-budget` runs every row and section in full, whatever
+the time (the tests: what they check must not depend on how fast the machine is).
 
 training    every row is a `perf.step` variant, built and stepped by `perf.step.Variant` (the same model builder,
             batch and step as `python -m perf.step`: CUDA synchronised around each step, timed with
@@ -38,6 +39,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -94,13 +96,14 @@ class Settings:
     steps: int
     warmup: int
     precision: str  # perf.step's: "bf16" = autocast bf16 over fp32 weights
-    budget_s: float
+    budget_s: Optional[float]  # None: no budget (--no-budget), every row and section runs in full
     grounding_budget_s: float
     evaluation_budget_s: float
     grounding_size: int
     grounding_images: int
     grounding_phrases: int
     grounding_batch: int
+    grounding_passes: int  # timed passes over the images at most (fewer when the budget runs out)
     bert: str  # "base": a random BERT-base (real cost); "tiny": 1 layer of width 32
     eval_benchmarks: Tuple[str, ...]
     eval_items: int
@@ -111,12 +114,13 @@ class Settings:
 
 GPU = Settings(model="ViT-B-32", batch_size=256, steps=20, warmup=3, precision="bf16", budget_s=420,
                grounding_budget_s=60, evaluation_budget_s=60, grounding_size=800, grounding_images=8,
-               grounding_phrases=4, grounding_batch=4, bert="base", eval_benchmarks=("sugarcrepe",),
-               eval_items=2100, eval_batch=256, eval_workers=min(8, os.cpu_count() or 1), matmul_size=8192)
+               grounding_phrases=4, grounding_batch=4, grounding_passes=5, bert="base",
+               eval_benchmarks=("sugarcrepe",), eval_items=2100, eval_batch=256,
+               eval_workers=min(8, os.cpu_count() or 1), matmul_size=8192)
 CPU_SMOKE = Settings(model="ViT-Tiny-16-64", batch_size=4, steps=2, warmup=1, precision="bf16", budget_s=240,
                      grounding_budget_s=1, evaluation_budget_s=30, grounding_size=224, grounding_images=1,
-                     grounding_phrases=1, grounding_batch=1, bert="tiny", eval_benchmarks=("sugarcrepe",),
-                     eval_items=14, eval_batch=8, eval_workers=0, matmul_size=256)
+                     grounding_phrases=1, grounding_batch=1, grounding_passes=1, bert="tiny",
+                     eval_benchmarks=("sugarcrepe",), eval_items=14, eval_batch=8, eval_workers=0, matmul_size=256)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -131,7 +135,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                           f"{', '.join(step.VARIANTS)}")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (overrides the table)")
-    parser.add_argument("--budget-s", type=float, help="the whole check's time budget (GPU default 420 s)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--budget-s", type=float, help="the whole check's time budget (GPU default 420 s)")
+    budget.add_argument("--no-budget", action="store_true", help="no time budget: every row runs its --steps "
+                        "steps and every section runs, however long it takes")
     parser.add_argument("--steps", type=int, help="timed steps per method (default 20)")
     parser.add_argument("--records", type=Path, help="caption records written by --write-records (no spaCy needed)")
     parser.add_argument("--write-records", type=Path, metavar="PATH",
@@ -188,10 +195,10 @@ def device_info(device: str, peak_override: Optional[float], matmul_size: int) -
 
 # ----- time budgets -------------------------------------------------------------------------------------------
 class Budget:
-    """A deadline `total_s` from now, and the seconds left to it."""
+    """A deadline `total_s` from now (None: never), and the seconds left to it."""
 
-    def __init__(self, total_s: float):
-        self.deadline = time.perf_counter() + total_s
+    def __init__(self, total_s: Optional[float]):
+        self.deadline = math.inf if total_s is None else time.perf_counter() + total_s
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -383,7 +390,7 @@ def grounding_section(settings: Settings, device: str, budget_s: float, workdir:
     start = time.perf_counter()
     grounder.ground(requests[:settings.grounding_batch])  # loads the model, then warms up
     setup_s = time.perf_counter() - start
-    seconds = timed_passes(lambda: grounder.ground(requests), device, deadline)
+    seconds = timed_passes(lambda: grounder.ground(requests), device, deadline, settings.grounding_passes)
     median = statistics.median(seconds)
     return {"status": "ok", "error": None, "image_size": settings.grounding_size, "max_size": grounder.max_size,
             "images": len(requests), "phrases_per_image": len(phrases), "batch_images": settings.grounding_batch,
@@ -392,8 +399,9 @@ def grounding_section(settings: Settings, device: str, budget_s: float, workdir:
             "pairs_per_s": len(requests) * len(phrases) / median}
 
 
-def timed_passes(run: Callable[[], object], device: str, deadline: float) -> List[float]:
-    """Seconds of each call of `run`, repeated while the next is expected to end before `deadline` (>= 1)."""
+def timed_passes(run: Callable[[], object], device: str, deadline: float, passes: int) -> List[float]:
+    """Seconds of each call of `run`, repeated (1..`passes` times) while the next is expected to end before
+    `deadline`."""
     seconds: List[float] = []
     while not seconds or time.perf_counter() + statistics.median(seconds) < deadline:
         synchronize(device)
@@ -401,7 +409,7 @@ def timed_passes(run: Callable[[], object], device: str, deadline: float) -> Lis
         run()
         synchronize(device)
         seconds.append(time.perf_counter() - start)
-        if len(seconds) >= 5:
+        if len(seconds) >= passes:
             break
     return seconds
 
@@ -464,7 +472,14 @@ def check_can_run(args: argparse.Namespace, sections: Sequence[str]) -> None:
                          "and pass --records")
 
 
+def section_share(settings: Settings, cap_s: float, left_s: float) -> float:
+    """A later section's time: its cap, or what the whole check has left when that is less; no limit without a
+    budget."""
+    return math.inf if settings.budget_s is None else min(cap_s, left_s)
+
+
 def run_sections(args: argparse.Namespace, settings: Settings, sections: Sequence[str], rows: Sequence[str]) -> dict:
+    start = time.perf_counter()
     budget = Budget(settings.budget_s)
     kind = "cpu" if args.cpu_smoke else "cuda"
     device = device_info(kind, args.peak_tflops, settings.matmul_size)
@@ -478,14 +493,15 @@ def run_sections(args: argparse.Namespace, settings: Settings, sections: Sequenc
             reserved = sum(later[name] for name in sections if name in later)
             result["training"] = training_section(rows, settings, device, budget.left() - reserved, args.cpu_smoke)
         if "grounding" in sections:
-            share = min(settings.grounding_budget_s, budget.left() - later["evaluation"] * ("evaluation" in sections))
+            share = section_share(settings, settings.grounding_budget_s,
+                                  budget.left() - later["evaluation"] * ("evaluation" in sections))
             result["grounding"] = budgeted(share, lambda: grounding_section(settings, kind, share,
                                                                              Path(tmp) / "grounding"))
         if "evaluation" in sections:
-            share = min(settings.evaluation_budget_s, budget.left())
+            share = section_share(settings, settings.evaluation_budget_s, budget.left())
             result["evaluation"] = budgeted(share, lambda: evaluation_section(settings, kind, share,
                                                                                Path(tmp) / "evaluation"))
-    result["elapsed_s"] = settings.budget_s - budget.left()
+    result["elapsed_s"] = time.perf_counter() - start
     return result
 
 
@@ -502,7 +518,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     check_can_run(args, sections)
     settings = CPU_SMOKE if args.cpu_smoke else GPU
     overrides = {"budget_s": args.budget_s, "steps": args.steps}
-    settings = Settings(**{**settings.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+    settings = Settings(**{**settings.__dict__, **{k: v for k, v in overrides.items() if v is not None},
+                           **({"budget_s": None} if args.no_budget else {})})
     rows = [label.strip() for label in (args.methods or ",".join(LEAD_ROWS if args.cpu_smoke else DEFAULT_ROWS)
                                          ).split(",") if label.strip()]
     for label in rows:
@@ -526,13 +543,17 @@ def cell(text: Optional[str]) -> str:
     return "" if not text else text.replace("|", "\\|")
 
 
+def budget_text(budget_s: Optional[float]) -> str:
+    return "(no time budget)" if budget_s is None else f"of a {budget_s:.0f} s budget"
+
+
 def markdown_report(result: dict) -> str:
     device = result["device"]
     lines = [f"# GPU check (`python -m perf.gpu`, mode {result['mode']})", "",
              f"Device: {device['name']} ({device['kind']}), torch {device['torch']}. Dense bf16 peak: "
              f"{number(device['bf16_peak_tflops'], '.1f')} TFLOP/s ({device['peak_source']}); a "
              f"{device['matmul_size']}^3 bf16 matrix product measured {device['matmul_bf16_tflops']:.1f} TFLOP/s. "
-             f"Whole check {result['elapsed_s']:.0f} s of a {result['settings']['budget_s']:.0f} s budget.", ""]
+             f"Whole check {result['elapsed_s']:.0f} s {budget_text(result['settings']['budget_s'])}.", ""]
     for name, section in (("training", training_table), ("grounding", grounding_table),
                           ("evaluation", evaluation_table)):
         if name in result:

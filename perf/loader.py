@@ -28,7 +28,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=30, help="timed batches per setting (after 2 warm-up)")
     parser.add_argument("--out", type=Path, default=Path("runs/perf_loader.json"))
     parser.add_argument("overrides", nargs="*")
-    return parser.parse_args(argv)
+    # Options and overrides may interleave (`--config a.yaml k=v --config b.yaml k2=v2`); every --config file
+    # still merges before every override, each in the order given.
+    return parser.parse_intermixed_args(argv)
 
 
 def shapes_overrides(root: Path) -> List[str]:

@@ -87,7 +87,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "resident memory beside its step times")
     parser.add_argument("--single", help=argparse.SUPPRESS)  # the child process of --peak-rss: one variant
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every variant")
-    return parser.parse_args(argv)
+    # Options and overrides may interleave (`k=v --model M k2=v2`): overrides apply in the order given.
+    return parser.parse_intermixed_args(argv)
 
 
 # Cache records written on another machine (`python -m perf.gpu --write-records`), read first when set: the GPU

@@ -87,7 +87,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=4, help="training batches to average over")
     parser.add_argument("--json", default=None, help="also write the table here")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (as fit)")
-    return parser.parse_args(argv)
+    # Options and overrides may interleave (`--config a.yaml k=v --config b.yaml k2=v2`); every --config file
+    # still merges before every override, each in the order given.
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -28,6 +28,13 @@ one of those given (`--only method=clip_ft --only negatives=with --only negative
 lists the whole grid, so task indices, run directories and the study report are those of the full sweep: the
 full sweep run later skips what the part finished, and the report lists the runs not yet run as missing.
 
+Before anything is written, submitted or run (a dry run too), every selected run is checked as fit checks it
+before training: its config files and overrides merged (a typo names the closest key or file), the choices, the
+method name against the registry and the options that method cannot train with (hard negatives it ignores, masks
+it needs). A problem in any run stops the command, naming each run (task index and name). Missing data files are
+a warning (a login node may not see what the compute nodes read; fit checks them again where each run starts),
+and an error with `--local`, whose runs read them here.
+
 An optional `study:` mapping (settings of the study report, `python -m lightning_modules.study`, which validates
 it) is copied into sweep.json unchanged.
 """
@@ -44,16 +51,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from core.config import ConfigError, load_config
 from core.files import atomic_write_text
 from lightning_modules.study.runs import RUN_LOG, SWEEP_FILE, export_complete
 
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
                   "mem": None, "max_parallel": None, "extra": []}
 SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "exclude", "slurm", "study"}
+# Runs named one by one in a problem (more are given as index ranges).
+FEW_RUNS = 4
 # Thread-count variables a child run gets under --jobs: torch's intra-op pool reads OMP_NUM_THREADS at start.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -182,6 +192,67 @@ def selected_indices(sweep: Sweep, only: Dict[str, set]) -> List[int]:
             if all(run.choices.get(axis) in labels for axis, labels in only.items())]
 
 
+def run_problems(run: Run, runs_root: str) -> Tuple[List[str], List[str]]:
+    """(config problems, missing data) of one run, found as fit finds them before building anything: its command
+    line parsed by fit, every config file and override merged and the choices checked (`load_config`), the
+    method looked up in the registry, the options it cannot train with; then the data files it reads."""
+    from lightning_modules import fit  # Lightning and the methods: imported once a sweep file has loaded
+
+    args = fit.parse_args(run.fit_args(runs_root))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        method = fit.registered_method(cfg.method.name)
+    except ConfigError as err:
+        return [str(err)], []
+    return fit.config_problems(cfg, method), fit.data_problems(cfg, method)
+
+
+def check_runs(sweep: Sweep, indices: Sequence[int], data_here: bool) -> List[str]:
+    """Check every run of `indices` before anything is submitted or run: a config problem in any run is a
+    `SweepError` naming the runs (task index and name) and the problem. Missing data is an error too when the
+    runs read it here (`data_here`, --local); else it is returned, one line per problem with the runs it
+    concerns, to be reported: a login node may not see the data that the compute nodes read (fit checks it again
+    there)."""
+    config: Dict[str, List[int]] = {}
+    data: Dict[str, List[int]] = {}
+    for index in indices:
+        config_problems, data_problems = run_problems(sweep.runs[index], str(sweep.directory))
+        for found, problems in ((config, config_problems), (data, data_problems)):
+            for problem in problems:
+                found.setdefault(problem, []).append(index)
+
+    def lines(found: Dict[str, List[int]]) -> List[str]:
+        return [f"{which_runs(sweep, tasks, len(indices))}: {problem}" for problem, tasks in found.items()]
+
+    errors = lines(config) + (lines(data) if data_here else [])
+    if errors:
+        raise SweepError("runs that would fail before training (nothing was submitted or run):\n  - "
+                         + "\n  - ".join(errors))
+    return lines(data)
+
+
+def which_runs(sweep: Sweep, tasks: Sequence[int], checked: int) -> str:
+    """The runs a problem concerns: `every run (tasks 0-71)` when all `checked` runs, a few by index and name
+    (`tasks 0 (seed-0), 2 (seed-2)`), many by index (`tasks 0-9,12`)."""
+    if len(tasks) == checked > 1:
+        return f"every run (tasks {index_ranges(tasks)})"
+    if len(tasks) <= FEW_RUNS:
+        named = ", ".join(f"{task} ({sweep.runs[task].name})" for task in tasks)
+        return f"task {named}" if len(tasks) == 1 else f"tasks {named}"
+    return f"tasks {index_ranges(tasks)}"
+
+
+def index_ranges(indices: Sequence[int]) -> str:
+    """Increasing indices as runs of consecutive ones: [0, 1, 2, 5] -> "0-2,5"."""
+    spans: List[List[int]] = []
+    for index in indices:
+        if spans and index == spans[-1][1] + 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in spans)
+
+
 def array_spec(indices: Sequence[int], total: int) -> str:
     """SLURM's --array value: the range when every task runs, else the listed indices."""
     return f"0-{total - 1}" if list(indices) == list(range(total)) else ",".join(str(i) for i in indices)
@@ -293,9 +364,11 @@ def run_local(sweep: Sweep, sweep_file: Path, jobs: int = 1,
             run, (code, seconds) = futures[future], future.result()
             finished += 1
             log_path = sweep.directory / run.name / RUN_LOG
-            status = f"done in {seconds:.0f} s" if code == 0 else f"failed (rc {code}, log {log_path})"
+            done = code == 0 and export_complete(sweep.directory / run.name)
+            status = (f"done in {seconds:.0f} s" if done else f"failed (rc {code}, log {log_path})" if code else
+                      f"ended without an export (rc 0, log {log_path})")
             print(f"[{finished}/{total}] {run.name} {status}", flush=True)
-            failed += [run.name] if code != 0 else []
+            failed += [] if done else [run.name]
     return failed
 
 
@@ -328,8 +401,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
         indices = selected_indices(sweep, parse_only(sweep, args.only))
         if not indices:
             raise SweepError(f"--only {' '.join(args.only)} selects none of the {len(sweep.runs)} runs")
+        missing_data = check_runs(sweep, indices, data_here=args.local)
     except SweepError as err:
         raise SystemExit(f"sweep error: {err}") from None
+    for line in missing_data:
+        print(f"warning: {line}; not found here, fit checks it again where each run starts", file=sys.stderr)
     if args.dry_run:
         print(sbatch_script(sweep, sweep.directory / SWEEP_FILE, indices))
         for index in indices:

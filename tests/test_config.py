@@ -43,6 +43,8 @@ def test_wrong_type_and_bad_choice_are_errors():
         load_config([], ["optim.lr=fast"])
     with pytest.raises(ConfigError, match="on_bad_image"):
         load_config([], ["data.on_bad_image=ignore"])
+    with pytest.raises(ConfigError, match="data.on_bad_image='skp' is not one of error, skip; did you mean 'skip'"):
+        load_config([], ["data.on_bad_image=skp"])
 
 
 def test_merge_order(tmp_path):
@@ -57,6 +59,10 @@ def test_merge_order(tmp_path):
 def test_missing_file_and_malformed_override():
     with pytest.raises(ConfigError, match="not found"):
         load_config([Path("configs/nope.yaml")])
+    demo = REPO_ROOT / "configs" / "demo"
+    with pytest.raises(ConfigError) as missing:
+        load_config([demo / "cea.yaml"])
+    assert str(missing.value) == f"config file not found: {demo / 'cea.yaml'}; did you mean {demo / 'cae.yaml'}?"
     with pytest.raises(ConfigError, match="key=value"):
         load_config([], ["trainer.max_steps"])
 
@@ -94,10 +100,11 @@ SWEEPS = sorted((REPO_ROOT / "configs" / "sweeps").glob("*.yaml"))
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
 def test_every_run_of_every_shipped_sweep_validates(path, monkeypatch):
     # A sweep's config paths and overrides are relative to the repository root, as `make study` runs them.
-    from slurm.sweep import load_sweep
+    from slurm.sweep import check_runs, load_sweep
     monkeypatch.chdir(REPO_ROOT)
     sweep = load_sweep(path)
     assert sweep.runs
+    check_runs(sweep, range(len(sweep.runs)), data_here=False)  # as fit checks each run before training
     for run in sweep.runs:
         cfg = load_config(run.configs, run.overrides + [f"experiment={run.name}"])
         assert cfg.method.name in METHODS

@@ -503,7 +503,8 @@ def test_hard_negatives_are_accepted_by_the_methods_that_train_on_them_only(shap
     accepting = [name for name, cls in sorted(METHODS.items()) if cls.uses_hard_negatives]
     assert accepting == ["clip_cae", "clip_ft", "macco", "smartclip"]
     for name in accepting:
-        check_inputs(tiny_config(shapes_root, tmp_path, f"method.name={name}", *HARD_NEGATIVES))
+        masks = ["data.masks=true"] if name in NEEDS_MASKS else []  # else refused for want of its masks
+        check_inputs(tiny_config(shapes_root, tmp_path, f"method.name={name}", *HARD_NEGATIVES, *masks))
     for name in ("tflocal", "tfglobal"):
         # their aligners score data.num_hard_negatives captions without the flag: that stays accepted
         check_inputs(tiny_config(shapes_root, tmp_path, f"method.name={name}", "data.num_hard_negatives=3"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -22,14 +23,33 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 TINY = "ViT-Tiny-16-64"
 
 
+class SlowClock:
+    """perf.gpu's clock on a machine as slow as can be: each reading is 1000 s after the one before. Under a time
+    budget every row and section after the first would be skipped as "time budget spent"."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1000.0
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One CPU-mode run, through the GPU machine's path: caption records written beforehand, read at run time."""
+    """One CPU-mode run without a time budget, through the GPU machine's path: caption records written
+    beforehand, read at run time. perf.gpu reads a clock that makes the machine look arbitrarily slow: what the
+    tests check must not depend on how fast the machine is (the step times are perf.step's own, still real)."""
     out = tmp_path_factory.mktemp("perf_gpu")
     gpu.write_records(out / "records.json", 4)
     try:
-        gpu.main(["--cpu-smoke", "--records", str(out / "records.json"), "--peak-tflops", "2.5",
-                  "--json", str(out / "gpu.json"), "--md", str(out / "gpu.md")])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gpu, "time", SlowClock())
+            gpu.main(["--cpu-smoke", "--no-budget", "--records", str(out / "records.json"), "--peak-tflops", "2.5",
+                      "--json", str(out / "gpu.json"), "--md", str(out / "gpu.md")])
     finally:
         step.PREPARED_RECORDS.clear()
     return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
@@ -89,6 +109,13 @@ def test_markdown_has_a_row_per_method_and_each_section(smoke):
     assert "## GroundingDINO preprocessing" in markdown and "| 224 (max 373) | 1 | 1 | 1 |" in markdown
     assert "| sugarcrepe | ok | 14 |" in markdown
     assert "2.5 TFLOP/s (--peak-tflops)" in markdown
+    assert "s (no time budget)." in markdown
+
+
+def test_the_budget_is_a_choice():
+    assert gpu.parse_args(["--no-budget"]).no_budget and gpu.parse_args([]).budget_s is None
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--no-budget", "--budget-s", "60"])
 
 
 def test_refuses_without_cuda_before_any_work(monkeypatch, tmp_path):

@@ -4,8 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List
 
+import lightning as L
 import numpy as np
 import pytest
+from lightning.pytorch.callbacks import RichProgressBar
 from PIL import Image
 
 import datamodules.preprocess as preprocess
@@ -16,6 +18,7 @@ from datamodules import features
 from evaluation.aligner import AlignerScorer, TokenAligner
 from evaluation.benchmarks.base import ImageRef
 from lightning_modules import demo
+from lightning_modules.fit import run
 from test_fit import TINY, shapes_root, tiny_config  # noqa: F401 (fixture)
 
 # The tiny shapes world: 16 train images with 2 captions each, sorted by image. Shards of 5 captions hold
@@ -130,3 +133,32 @@ def test_the_demo_table_reports_each_row_and_checks_every_export_first(tmp_path,
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["[1/2] a", "[1/2] a", "[2/2] b", "[2/2] b"]
     assert "scoring" in lines[0] and "(clip)" in lines[0] and "done in" in lines[1]
+
+
+class ProgressShown(L.Callback):
+    """Records, after each training batch, the items and the description the run's progress bar shows."""
+
+    def __init__(self):
+        self.metrics: List[dict] = []
+        self.descriptions: List[str] = []
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        bar = trainer.progress_bar_callback
+        self.metrics.append(bar.get_metrics(trainer, module))
+        if isinstance(bar, RichProgressBar):
+            self.descriptions.append(bar.progress.tasks[bar.train_progress_bar_id].description)
+        else:
+            self.descriptions.append(bar.train_progress_bar.desc)
+
+
+def test_fit_progress_bar_shows_the_epoch_and_the_losses_without_the_logger_version(shapes_root, tmp_path):
+    shown = ProgressShown()
+    cfg = tiny_config(shapes_root, tmp_path, "trainer.enable_progress_bar=true", "trainer.max_steps=2",
+                      "trainer.max_epochs=-1", "trainer.limit_val_batches=0")
+    run(cfg, extra_callbacks=[shown])
+    assert len(shown.metrics) == 2
+    for metrics, description in zip(shown.metrics, shown.descriptions):
+        assert "v_num" not in metrics  # the logger's version is always 0: a resumed run continues its curves
+        assert "train/loss" in metrics
+        # a run bounded by steps (max_epochs=-1) has no epoch total: Lightning's Rich bar showed "Epoch 0/-2"
+        assert description.strip() == "Epoch 0"

@@ -20,7 +20,7 @@ from datamodules.shapes import generate
 from lightning_modules.study.runs import RUN_LOG, export_complete
 from slurm import sweep as sweep_module
 from slurm.localcluster import LocalSlurm
-from slurm.sweep import expand, load_sweep, local_threads, main as sweep_main, run_local, SweepError
+from slurm.sweep import expand, load_sweep, local_threads, main as sweep_main, run_local, SweepError, write_sweep_file
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 150
@@ -90,12 +90,22 @@ def test_dry_run_prints_the_array_script_and_every_run(tmp_path, capsys):
     assert len(load_sweep(path).runs) == 2
 
 
+def data_root(tmp_path: Path) -> Path:
+    """The files fit checks for under the default data settings (nothing is read: the runs are stand-ins)."""
+    root = tmp_path / "data"
+    (root / "annotations").mkdir(parents=True, exist_ok=True)
+    (root / "annotations" / "dataset_coco.json").write_text("{}")
+    return root
+
+
 def grid_sweep(tmp_path: Path) -> Path:
     """A 2 x 2 x 2 grid (negatives x method x seed) with one combination excluded: 6 runs."""
     path = tmp_path / "grid.yaml"
     path.write_text(f"name: grid\nruns_root: {tmp_path / 'runs'}\ngrid:\n"
-                    "  negatives: {with: [a=1], without: [a=0]}\n  method: {ft: [m=ft], tfl: [m=tfl]}\n"
-                    "  seed: [0, 1]\nexclude:\n  - {negatives: without, method: tfl}\n")
+                    "  negatives: {with: [data.num_hard_negatives=1], without: [data.num_hard_negatives=0]}\n"
+                    "  method: {ft: [method.name=clip_ft], tfl: [method.name=tflocal]}\n"
+                    "  seed: [0, 1]\nexclude:\n  - {negatives: without, method: tfl}\n"
+                    f"overrides: [data.root={data_root(tmp_path)}]\n")
     return path
 
 
@@ -138,18 +148,89 @@ def test_unknown_sweep_keys_are_named(tmp_path):
         sweep_main([str(path), "--dry-run"])
 
 
+def checked_sweep(tmp_path: Path, grid: dict, overrides: list, configs: list = ()) -> Path:
+    """A sweep over the tiny demo config whose runs the checks below look at (none is trained)."""
+    spec = {"name": "checked", "runs_root": str(tmp_path / "runs"),
+            "configs": [str(REPO / "configs" / "demo" / "pretrain.yaml"), *configs], "grid": grid,
+            "overrides": [f"data.root={tmp_path / 'shapes'}", *overrides]}
+    path = tmp_path / "checked.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def refusal(argv: list) -> str:
+    with pytest.raises(SystemExit) as refused:
+        sweep_main(argv)
+    assert isinstance(refused.value.code, str)  # printed, exit status 1
+    return refused.value.code
+
+
+def test_every_run_is_checked_as_fit_checks_it_before_a_dry_run(tmp_path, capsys):
+    grid = {"method": {"ft": ["method.name=clip_ft"], "cae": ["method.name=clip_cae"],
+                       "macco": ["method.name=macco", "data.masks=false"]}, "seed": [0, 1]}
+    message = refusal([str(checked_sweep(tmp_path, grid, ["trainer.max_stepz=5"])), "--dry-run"])
+    # an override typo of every run: named once, with the closest key
+    assert ("every run (tasks 0-5): unknown config key 'trainer.max_stepz' in override 'trainer.max_stepz=5'; "
+            "did you mean 'trainer.max_steps'?") in message
+    grid["method"]["ft"] = ["method.name=clip_fft"]
+    grid["seed"] = [0]
+    message = refusal([str(checked_sweep(tmp_path, grid, [], [str(REPO / "configs" / "demo" / "cea.yaml")])),
+                       "--dry-run"])
+    assert f"config file not found: {REPO / 'configs' / 'demo' / 'cea.yaml'}; did you mean " \
+           f"{REPO / 'configs' / 'demo' / 'cae.yaml'}?" in message
+    grid["method"].pop("cae")
+    message = refusal([str(checked_sweep(tmp_path, grid, [])), "--dry-run"])
+    assert ("task 0 (method-ft_seed-0): method.name='clip_fft' is not a registered method; did you mean "
+            "'clip_ft'? (methods: clip_cae, clip_ft, macco, smartclip, tfglobal, tflocal)") in message
+    # what fit refuses of a method: MACCO reads the preprocessing cache's masks
+    assert "task 1 (method-macco_seed-0): data.masks=false: method macco reads comp_mask and patch_mask" in message
+    assert "python -m datamodules.preprocess" in message
+    assert capsys.readouterr().out == "" and not (tmp_path / "runs").exists()  # nothing printed or written
+
+
+def test_a_valid_sweep_passes_and_missing_data_is_a_warning_unless_the_runs_run_here(tmp_path, capsys,
+                                                                                    monkeypatch):
+    grid = {"method": {"ft": ["method.name=clip_ft"], "macco": ["method.name=macco"]}, "seed": [0, 1]}
+    path = checked_sweep(tmp_path, grid, ["trainer.max_steps=5"])
+    assert sweep_main([str(path), "--dry-run"]) is None
+    captured = capsys.readouterr()
+    assert "# task 3:" in captured.out
+    # a login node need not see the data the compute nodes read: reported, and fit checks it again there
+    assert f"warning: every run (tasks 0-3): data.root={tmp_path / 'shapes'}: no such directory" in captured.err
+    ran = []
+    monkeypatch.setattr(sweep_module, "task_command", lambda sweep_file, index: ran.append(index) or ["true"])
+    message = refusal([str(path), "--local"])
+    assert f"every run (tasks 0-3): data.root={tmp_path / 'shapes'}: no such directory" in message
+    assert ran == [] and not (tmp_path / "runs").exists()
+
+
+def test_a_submission_with_a_bad_run_submits_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep_module, "submit", lambda script: pytest.fail("submitted"))
+    path = checked_sweep(tmp_path, {"seed": [0, 1]}, ["data.on_bad_image=skp"])
+    message = refusal([str(path)])
+    assert "data.on_bad_image='skp' is not one of error, skip; did you mean 'skip'?" in message
+    assert not (tmp_path / "runs").exists()
+
+
 def local_sweep(tmp_path: Path, seeds: int = 3, study: dict | None = None) -> Path:
     """A sweep of `seeds` runs whose commands the tests replace with trivial ones (nothing is trained)."""
-    spec = {"name": "local", "runs_root": str(tmp_path / "runs"), "grid": {"seed": list(range(seeds))}}
+    spec = {"name": "local", "runs_root": str(tmp_path / "runs"), "grid": {"seed": list(range(seeds))},
+            "overrides": [f"data.root={data_root(tmp_path)}"]}
     spec.update({"study": study} if study is not None else {})
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
 
 
-def python_command(code: str):
-    """A run command that executes `code` with `index` (the run's task index) defined."""
-    return lambda sweep_file, index: [sys.executable, "-c", f"index = {index}\n{code}"]
+def python_command(code: str, export: bool = True):
+    """A run command that executes `code` with `index` (the run's task index) defined, then, like a finished
+    fit, writes the run's export (unless `export` is false; `code` may exit first)."""
+    finish = ("import json, pathlib\n"
+              "document = json.loads(pathlib.Path(sweep_file).read_text())\n"
+              "out = pathlib.Path(document['runs_root']) / document['runs'][index]['name'] / 'export'\n"
+              "out.mkdir(parents=True, exist_ok=True)\n(out / 'model.json').write_text('{}')\n") if export else ""
+    return lambda sweep_file, index: [sys.executable, "-c",
+                                      f"index = {index}\nsweep_file = {str(sweep_file)!r}\n{code}\n{finish}"]
 
 
 def test_local_jobs_run_at_once_with_their_share_of_threads(tmp_path, capsys, monkeypatch):
@@ -163,8 +244,8 @@ def test_local_jobs_run_at_once_with_their_share_of_threads(tmp_path, capsys, mo
             "if index == 1: flag.touch()\n"
             "deadline = time.time() + 60\n"
             "while index == 0 and not flag.exists() and time.time() < deadline: time.sleep(0.05)\n"
-            "sys.exit(0 if flag.exists() else 3)\n")
-    failed = run_local(sweep, tmp_path / "sweep.json", jobs=2, command=python_command(code))
+            "if not flag.exists(): sys.exit(3)\n")
+    failed = run_local(sweep, write_sweep_file(sweep), jobs=2, command=python_command(code))
     assert failed == []
     out = capsys.readouterr().out
     assert "2 at a time, 2 threads each" in out
@@ -182,7 +263,7 @@ def test_local_threads_share_the_affinity_mask(monkeypatch):
 def test_a_failed_run_is_reported_and_the_others_still_run(tmp_path, capsys, monkeypatch):
     path = local_sweep(tmp_path, seeds=3)
     monkeypatch.setattr(sweep_module, "task_command",
-                        python_command("import sys\nprint('output of', index)\nsys.exit(7 if index == 1 else 0)"))
+                        python_command("import sys\nprint('output of', index)\nif index == 1: sys.exit(7)"))
     with pytest.raises(SystemExit, match=r"1 of 3 runs failed .*: seed-1$"):
         sweep_main([str(path), "--local", "--jobs", "1"])
     out = capsys.readouterr().out
@@ -192,13 +273,21 @@ def test_a_failed_run_is_reported_and_the_others_still_run(tmp_path, capsys, mon
     assert "output of 1" in (run_dir / "seed-1" / RUN_LOG).read_text()
 
 
+def test_a_run_that_ends_without_an_export_is_not_done(tmp_path, capsys):
+    """Exit status 0 alone is no proof that a run finished: only its export is."""
+    sweep = load_sweep(local_sweep(tmp_path, seeds=2))
+    failed = run_local(sweep, write_sweep_file(sweep), command=python_command("pass", export=False))
+    assert sorted(failed) == ["seed-0", "seed-1"]
+    assert "seed-0 ended without an export (rc 0" in capsys.readouterr().out
+
+
 def test_runs_with_an_export_are_skipped_so_a_rerun_resumes(tmp_path, capsys):
     sweep = load_sweep(local_sweep(tmp_path, seeds=3))
     for name in ("seed-0", "seed-2"):
         (sweep.directory / name / "export").mkdir(parents=True)
         (sweep.directory / name / "export" / "model.json").write_text("{}")
     ran = tmp_path / "ran"
-    failed = run_local(sweep, tmp_path / "sweep.json", command=python_command(
+    failed = run_local(sweep, write_sweep_file(sweep), command=python_command(
         f"open({str(ran)!r}, 'a').write(str(index))"))
     assert failed == [] and ran.read_text() == "1"
     out = capsys.readouterr().out

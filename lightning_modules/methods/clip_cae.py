@@ -55,6 +55,9 @@ class ClipCAE(ClipFineTune):
             taken from the DataModule in `setup`, or set directly.
     """
 
+    # the object and composition token masks of the hinge (perturbation's word kinds come with them)
+    required_masks = ("obj_mask", "comp_mask")
+
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
         self.attribution = cfg.method.attribution.name

@@ -36,6 +36,9 @@ class ClipFineTune(CompositionalCLIPModule):
     # (fit.check_inputs); the hard captions are encoded by the base's shared `encode_hard_negatives`.
     uses_hard_negatives = True
     uses_hard_negative_images = True
+    # The preprocessing cache's masks read from every batch; fit refuses to start without data.masks=true when
+    # a method needs any (fit.mask_problems). Plain contrastive fine-tuning reads none.
+    required_masks: Tuple[str, ...] = ()
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)

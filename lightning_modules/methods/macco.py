@@ -230,6 +230,9 @@ class MaccoCLIP(CompositionalCLIPModule):
     """
 
     uses_hard_negatives = True
+    # the composition tokens and one grounded phrase's patches, replaced by the mask tokens (fit refuses to
+    # start without data.masks=true)
+    required_masks: Tuple[str, ...] = ("comp_mask", "patch_mask")
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)

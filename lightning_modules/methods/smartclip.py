@@ -170,6 +170,8 @@ class SmartCLIP(CompositionalCLIPModule):
     """
 
     uses_hard_negatives = True
+    # its masks are learnt over the embedding from the caption: no preprocessing-cache mask is read
+    required_masks: Tuple[str, ...] = ()
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)

@@ -144,6 +144,8 @@ class AlignerModule(CompositionalCLIPModule):
     # fit builds datamodules.features.FeatureDataModule for such a module when data.features_cache is set
     # (otherwise batches of images are encoded on the fly, under no_grad).
     reads_cached_features = True
+    # the aligners read no preprocessing-cache mask
+    required_masks: Tuple[str, ...] = ()
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
