@@ -12,7 +12,7 @@ import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
@@ -79,53 +79,27 @@ class AttributionConfig:
 
 
 @dataclass
+class HardNegativesConfig:
+    # NegCLIP's hard negatives, for every method that takes them (each method's file says how; fit refuses them
+    # for a method that does not). In training only.
+    # captions: hard-negative captions per training sample, drawn at random from the annotation's `neg_captions`
+    # at every access (NegCLIP's training code draws one; K > 1 are distinct while the annotation has >= K);
+    # 0 = none. The fine-tuning methods add them as extra image-to-text columns (never anchors) of their
+    # contrastive term; the aligners (tflocal, tfglobal) score them in their own loss.
+    captions: int = 0
+    # images: NegCLIP's hard-negative images: each training sample's `neg_image` neighbour (NegCLIP TSV), drawn at
+    # random at every access, joins the batch with its own caption and hard captions (2B images, 4B texts).
+    images: bool = False
+
+
+@dataclass
 class MethodConfig:
+    """The part of `method` every method shares. Each method extends it with its own typed options
+    (lightning_modules/methods/options.py); a key of another method is an error naming its owner."""
+
     # Key of lightning_modules.METHODS.
     name: str = "clip_ft"
-    # NegCLIP's hard negatives (needs data.num_hard_negatives > 0): in training only, each sample's hard captions
-    # become extra image-to-text columns (never anchors) of the method's contrastive term. Honoured by clip_ft
-    # (NegCLIP: L_itc), clip_cae (its L_itc; CAE + NegCLIP is the paper's own combination), macco (L_mca, full
-    # and masked image rows; MACCO + NegCLIP is the paper's, the form ours) and smartclip (sidm, each hard
-    # caption under its own mask [ours]); fit refuses it for tflocal / tfglobal, which score
-    # data.num_hard_negatives captions in their aligner loss without this flag.
-    hard_negatives: bool = False
-    # CLIP-CAE: L = L_itc + attr_weight * L_attr with this attribution method (needs data.masks=true). attr_hinge
-    # "batch" = the paper's one hinge max(0, A_obj - A_comp + attr_margin) per (global) batch, A_obj / A_comp the
-    # mean attribution over all object / composition tokens of the batch; "caption" [ours] = the hinge per
-    # caption, averaged over the captions with both kinds of tokens.
-    attribution: AttributionConfig = field(default_factory=AttributionConfig)
-    attr_weight: float = 1.0
-    attr_margin: float = 0.0
-    attr_hinge: str = "batch"
-    # MACCO-CLIP: loss weights (1 L_mca + 0.1 L_mir + 20 L_mlm + 250 L_mim), predictor depths and heads, and
-    # whether the image predictor masks the text keys after EOS [ours; the original has no mask: false in
-    # configs/macco.yaml]. Without the mask the text runs untrimmed (all 77 positions are keys, as the original).
-    mca_weight: float = 1.0
-    mir_weight: float = 0.1
-    mlm_weight: float = 20.0
-    mim_weight: float = 250.0
-    text_predictor_depth: int = 2
-    image_predictor_depth: int = 3
-    predictor_heads: int = 8
-    key_padding_mask: bool = True
-    # SmartCLIP: 10 (sidm + dism) + 2 mean|m|, fixed temperature 100, hard (straight-through) or soft masks.
-    modular_weight: float = 10.0
-    sparsity_weight: float = 2.0
-    modular_temperature: float = 100.0
-    hard_mask: bool = True
-    # Positions the mask network attends to and pools over: "all" context positions, padding after EOS
-    # included (the official code), or the "caption" positions SOT..EOS only [ours].
-    mask_positions: str = "all"
-    # TFLocal / TFGlobal aligners on a frozen backbone: width, depth, heads; loss "infonce" (+ hard negatives)
-    # or "itm" (binary); retrieval re-ranks the frozen-CLIP top-k.
-    aligner_width: int = 512
-    aligner_layers: int = 4
-    aligner_heads: int = 8
-    aligner_loss: str = "infonce"
-    rerank_k: int = 16
-    # null = every pair of the B x B grid; n = the diagonal plus each image's / text's n most similar in-batch
-    # partners by frozen cosine (B x (2n+1) pairs instead of B^2).
-    aligner_negatives: Optional[int] = None
+    hard_negatives: HardNegativesConfig = field(default_factory=HardNegativesConfig)
 
 
 @dataclass
@@ -139,18 +113,19 @@ class DataConfig:
     train_images: str = "."
     val_annotations: Optional[str] = "annotations/dataset_coco.json"  # null: no validation
     val_images: str = "."
-    # Per-device batch size (the global batch is batch_size x devices x nodes).
+    # The global batch: samples per optimizer step over every device and node, as papers state it. fit derives
+    # the per-device batch, batch_size / (devices x nodes x trainer.accumulate_grad_batches), refuses a batch
+    # that does not divide, and records it below. (With accumulation the contrastive loss sees the micro-batch
+    # of every device together, not the whole global batch.)
     batch_size: int = 256
+    # The global validation batch (null = batch_size), split over the devices the same way.
     val_batch_size: Optional[int] = None
+    # Derived by fit and recorded in the run's config.yaml; setting them is an error.
+    per_device_batch_size: Optional[int] = None
+    per_device_val_batch_size: Optional[int] = None
     num_workers: int = 4
     # What a missing or unreadable image does: "error" (raise, naming the file) or "skip" (counted, logged).
     on_bad_image: str = "error"
-    # Hard-negative captions per training sample, drawn at random from the annotation's `neg_captions` at every
-    # access (NegCLIP's training code draws one; K > 1 are distinct while the annotation has >= K); 0 = none.
-    num_hard_negatives: int = 0
-    # NegCLIP's hard-negative images: each training sample's `neg_image` neighbour (NegCLIP TSV), drawn at
-    # random at every access, joins the batch with its own caption and hard captions (2B images, 4B texts).
-    hard_negative_images: bool = False
     # Random-resized-crop augmentation for training (false = the deterministic eval transform).
     train_augment: bool = True
     # Cap the number of (image, caption) pairs per split, for quick runs. null = all.
@@ -310,6 +285,9 @@ class MonitorConfig:
     attributions: List[str] = field(default_factory=lambda: ["attention", "gradient"])
     probe_size: int = 64
     overlay_images: int = 4
+    # The attributions' settings, the same for every method so that runs compare (CLIP-CAE's own training-time
+    # attribution is method.attribution).
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)
 
 
 @dataclass
@@ -338,6 +316,16 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
 
 
+# The allowed values of an AttributionConfig's string options.
+ATTRIBUTION_CHOICES = {
+    "name": ("attention", "gradcam", "perturbation", "gradient", "grad_eclip"),
+    "head_reduce": ("mean", "max"),
+    "heads": ("multi", "single"),
+    "text_lambda_range": ("all_positions", "up_to_eos"),
+    "replacement": ("kind", "token"),
+}
+
+
 _CHOICES = {
     "data.on_bad_image": ("error", "skip"),
     "data.comp_mask_rule": ("every_occurrence", "first_bpe_match"),
@@ -346,14 +334,7 @@ _CHOICES = {
     "checkpoint.mode": ("min", "max"),
     "preprocess.grounder": ("groundingdino", "annotations", "none"),
     "preprocess.grounding_prompt": ("per_phrase", "joint"),
-    "method.attribution.name": ("attention", "gradcam", "perturbation", "gradient", "grad_eclip"),
-    "method.attribution.head_reduce": ("mean", "max"),
-    "method.attribution.heads": ("multi", "single"),
-    "method.attribution.text_lambda_range": ("all_positions", "up_to_eos"),
-    "method.attribution.replacement": ("kind", "token"),
-    "method.attr_hinge": ("batch", "caption"),
-    "method.aligner_loss": ("infonce", "itm"),
-    "method.mask_positions": ("all", "caption"),
+    **{f"monitor.attribution.{key}": allowed for key, allowed in ATTRIBUTION_CHOICES.items()},
     "model.stretch_dtype": ("float16", "float32"),
     "data.train_caption_sentences": ("all", "random_prefix"),
 }
@@ -363,10 +344,25 @@ _CHOICES = {
 OPEN_MAPPINGS = ("evaluation.roots", "evaluation.options")
 
 
-def schema() -> DictConfig:
-    """A fresh copy of the schema, built once (OmegaConf.structured takes most of a `load_config`, which a sweep's
-    check runs once per run)."""
-    return copy.deepcopy(_built_schema())
+# Keys fit derives and records; a config that sets them is refused.
+DERIVED_KEYS = ("data.per_device_batch_size", "data.per_device_val_batch_size")
+
+# The method option classes by method name (`MethodOptions`), as lightning_modules registers them: the loaders of
+# training configs pass it to `load_config`; tools below training (preprocessing, features) load without it and
+# leave a method's own keys unchecked.
+MethodOptions = Mapping[str, type]
+
+
+def schema(method_options: Optional[type] = None) -> DictConfig:
+    """A fresh copy of the schema (built once: OmegaConf.structured takes most of a `load_config`, which a sweep's
+    check runs once per run). With `method_options` (a `MethodConfig` subclass) the `method` section is that
+    method's, closed; without, the section takes any key beside the shared ones."""
+    cfg = copy.deepcopy(_built_schema())
+    if method_options is None:
+        OmegaConf.set_struct(cfg.method, False)
+    else:
+        cfg.method = _built_options(method_options)
+    return cfg
 
 
 @functools.lru_cache(maxsize=1)
@@ -378,9 +374,18 @@ def _built_schema() -> DictConfig:
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def _built_options_once(options: type) -> DictConfig:
+    return OmegaConf.structured(options)
+
+
+def _built_options(options: type) -> DictConfig:
+    return copy.deepcopy(_built_options_once(options))
+
+
 def valid_keys(node: Any = None, prefix: str = "") -> List[str]:
-    """Every dotted leaf key of the schema."""
-    node = schema() if node is None else node
+    """Every dotted leaf key of the schema (of `node`)."""
+    node = schema(MethodConfig) if node is None else node
     keys = []
     for name in node.keys():
         child = node[name] if not OmegaConf.is_missing(node, name) else None
@@ -392,8 +397,9 @@ def valid_keys(node: Any = None, prefix: str = "") -> List[str]:
     return keys
 
 
-def closest_key(key: str) -> Optional[str]:
-    keys = valid_keys()
+def closest_key(key: str, cfg: Optional[DictConfig] = None) -> Optional[str]:
+    """The valid key of `cfg` (by default the schema with the shared method keys) closest to `key`."""
+    keys = valid_keys(cfg)
     matches = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     if matches:
         return matches[0]
@@ -404,20 +410,39 @@ def closest_key(key: str) -> Optional[str]:
     return f"{section}.{leaves[0]}" if leaves and section else None
 
 
-def _unknown_key_error(full_key: str, source: str) -> ConfigError:
-    suggestion = closest_key(full_key)
+def _unknown_key_error(full_key: str, source: str, cfg: DictConfig,
+                       methods: Optional[MethodOptions] = None) -> ConfigError:
+    owners = _method_owners(full_key, methods or {})
+    if owners:
+        return ConfigError(f"'{full_key}' in {source} is an option of method {' / '.join(owners)}, and this run's "
+                           f"method is {cfg.method.name}; its options: {', '.join(_own_keys(cfg.method))}")
+    suggestion = closest_key(full_key, cfg)
     hint = f"; did you mean '{suggestion}'?" if suggestion else ""
     return ConfigError(f"unknown config key '{full_key}' in {source}{hint}")
 
 
-def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
+def _method_owners(full_key: str, methods: MethodOptions) -> List[str]:
+    """The methods whose options hold `full_key` (a `method.` key)."""
+    if not full_key.startswith("method."):
+        return []
+    return [name for name, options in sorted(methods.items())
+            if full_key in valid_keys(_built_options(options), "method.")]
+
+
+def _own_keys(method: DictConfig) -> List[str]:
+    shared = set(valid_keys(_built_options(MethodConfig), "method."))
+    own = [key for key in valid_keys(method, "method.") if key not in shared]
+    return own or ["(none beyond method.name and method.hard_negatives.*)"]
+
+
+def _merge(cfg: DictConfig, other: DictConfig, source: str, methods: Optional[MethodOptions] = None) -> DictConfig:
     """`other` merged into `cfg` in place (what OmegaConf.merge does after copying `cfg`: the copy of the whole
     config per file and per override made a sweep's check of its runs slow); the error names `source`."""
     try:
         cfg.merge_with(other)
         return cfg
     except (ConfigAttributeError, ConfigKeyError) as err:
-        raise _unknown_key_error(str(err.full_key), source) from None
+        raise _unknown_key_error(str(err.full_key), source, cfg, methods) from None
     except ValidationError as err:
         reason = str(err.msg).splitlines()[0]
         raise ConfigError(f"invalid value for '{err.full_key}' in {source}: {reason}") from None
@@ -441,8 +466,8 @@ def _read_yaml(path: Path) -> DictConfig:
     return loaded
 
 
-def _check_choices(cfg: DictConfig) -> None:
-    for key, allowed in _CHOICES.items():
+def _check_choices(cfg: DictConfig, choices: Mapping[str, Sequence[str]]) -> None:
+    for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             closest = difflib.get_close_matches(str(value), allowed, n=1)
@@ -450,26 +475,75 @@ def _check_choices(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
 
 
-def load_config(config_files: Sequence[os.PathLike | str] = (), overrides: Sequence[str] = (),
-                base: Optional[Path] = BASE_CONFIG) -> DictConfig:
-    """Schema <- base.yaml <- each config file in order <- dotlist overrides, validated."""
-    cfg = schema()
-    for path in ([base] if base is not None else []) + [Path(p) for p in config_files]:
-        cfg = _merge(cfg, _read_yaml(Path(path)), str(path))
+def _sources(config_files: Sequence[os.PathLike | str], overrides: Sequence[str],
+             base: Optional[Path]) -> List[Tuple[DictConfig, str]]:
+    """(content, where it came from) of the base, each config file and each override, in merge order."""
+    sources = [(_read_yaml(Path(path)), str(path))
+               for path in ([base] if base is not None else []) + [Path(p) for p in config_files]]
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override '{item}'")
-    _check_choices(cfg)
+        sources.append((OmegaConf.from_dotlist([item]), f"override '{item}'"))
+    return sources
+
+
+def _method_name(sources: List[Tuple[DictConfig, str]]) -> str:
+    """`method.name` as the merge will leave it: the last source that sets it, else the schema's default."""
+    name = MethodConfig.name
+    for content, _ in sources:
+        value = OmegaConf.select(content, "method.name", default=None)
+        name = value if value is not None else name
+    return name
+
+
+def _method_options(name: str, methods: MethodOptions) -> type:
+    if name not in methods:
+        closest = difflib.get_close_matches(name, list(methods), n=1)
+        hint = f"; did you mean '{closest[0]}'?" if closest else ""
+        raise ConfigError(f"method.name={name!r} is not a registered method{hint} (methods: "
+                          f"{', '.join(sorted(methods))})")
+    return methods[name]
+
+
+def load_config(config_files: Sequence[os.PathLike | str] = (), overrides: Sequence[str] = (),
+                base: Optional[Path] = BASE_CONFIG, methods: Optional[MethodOptions] = None,
+                saved: bool = False) -> DictConfig:
+    """Schema <- base.yaml <- each config file in order <- dotlist overrides, validated.
+
+    With `methods` (name -> option class), `method` is the named method's typed section: an unknown method,
+    another method's key or a typo is an error. Keys fit derives (`DERIVED_KEYS`) may not be set, except in a
+    run's `saved` config.yaml, which records them.
+    """
+    sources = _sources(config_files, overrides, base)
+    options = _method_options(_method_name(sources), methods) if methods is not None else None
+    cfg = schema(options)
+    for content, where in sources:
+        for key in () if saved else DERIVED_KEYS:
+            if OmegaConf.select(content, key, default=None) is not None:
+                raise ConfigError(f"{key} in {where}: it is derived from data.batch_size (the global batch) and the "
+                                  f"devices; set data.batch_size instead")
+        cfg = _merge(cfg, content, where, methods)
+    own_choices = getattr(options, "CHOICES", {})
+    _check_choices(cfg, {**_CHOICES, **{f"method.{key}": allowed for key, allowed in own_choices.items()}})
     return cfg
 
 
-def load_config_or_exit(config_files: Sequence[os.PathLike | str], overrides: Sequence[str]) -> DictConfig:
+def load_config_or_exit(config_files: Sequence[os.PathLike | str], overrides: Sequence[str],
+                        methods: Optional[MethodOptions] = None) -> DictConfig:
     """`load_config` for command-line entry points: a config error ends the program with its message."""
     try:
-        return load_config(config_files, overrides)
+        return load_config(config_files, overrides, methods=methods)
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
+
+
+def per_device_batch_size(data: DictConfig, validation: bool = False) -> int:
+    """The batch one device loads: what fit derived, or the global batch in a single process (tools, tests)."""
+    if validation:
+        derived, whole = data.per_device_val_batch_size, data.val_batch_size or data.batch_size
+    else:
+        derived, whole = data.per_device_batch_size, data.batch_size
+    return int(derived if derived is not None else whole)
 
 
 def save_config(cfg: DictConfig, path: Path) -> None:

@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from core.config import per_device_batch_size
 from datamodules.annotations import (KARPATHY_TRAIN_SPLITS, CaptionRecord, existing_path, image_path_candidates,
                                      read_annotation_file)
 from datamodules.cache import CacheError
@@ -580,15 +581,18 @@ class CocoDataModule(L.LightningDataModule):
         train_transform: the model's training image transform (used when `data.train_augment`).
         val_transform: the model's evaluation image transform.
         seed: the shuffling seed of the training sampler.
+        hard_negatives: the `method.hard_negatives` section (`captions` per training sample, neighbour `images`);
+            None = none.
     """
 
     def __init__(self, data: Any, tokenizer: CaptionTokenizer, train_transform: ImageTransform,
                  val_transform: ImageTransform, seed: int = 0, preprocess: Any = None,
-                 image_config: Optional[dict] = None, grid_size: Optional[int] = None):
+                 image_config: Optional[dict] = None, grid_size: Optional[int] = None, hard_negatives: Any = None):
         super().__init__()
         if data.masks and (preprocess is None or image_config is None or grid_size is None):
             raise ValueError("data.masks=true needs the preprocess config, the model's image config and patch grid")
         self.data = data
+        self.hard_negatives = hard_negatives
         self.preprocess = preprocess
         self.image_config = image_config
         self.grid_size = grid_size
@@ -621,8 +625,9 @@ class CocoDataModule(L.LightningDataModule):
         """Shuffled, sharded over ranks, full batches only."""
         dataset = _built(self.train_dataset, "train", "setup('fit')")
         world_size, rank = self._world_size_and_rank()
-        check_enough_samples(len(dataset), self.data.batch_size, world_size)
-        return build_dataloader(dataset, batch_size=self.data.batch_size, num_workers=self.data.num_workers,
+        batch_size = per_device_batch_size(self.data)
+        check_enough_samples(len(dataset), batch_size, world_size)
+        return build_dataloader(dataset, batch_size=batch_size, num_workers=self.data.num_workers,
                                 world_size=world_size, rank=rank, train=True, seed=self.seed,
                                 position=trainer_epoch_position(self.trainer) if self.trainer else None)
 
@@ -630,7 +635,7 @@ class CocoDataModule(L.LightningDataModule):
         """In order, sharded over ranks, last batch kept."""
         dataset = _built(self.val_dataset, "val", "setup('fit') or setup('validate')")
         world_size, rank = self._world_size_and_rank()
-        return build_dataloader(dataset, batch_size=self.data.val_batch_size or self.data.batch_size,
+        return build_dataloader(dataset, batch_size=per_device_batch_size(self.data, validation=True),
                                 num_workers=self.data.num_workers, world_size=world_size, rank=rank,
                                 train=False)
 
@@ -642,8 +647,8 @@ class CocoDataModule(L.LightningDataModule):
             os.path.join(data.root, getattr(data, f"{split}_images")),
             self.tokenizer, self._transform(augment),
             # Validation reports the plain contrastive loss, comparable across methods and runs.
-            num_hard_negatives=data.num_hard_negatives if split == "train" else 0,
-            hard_negative_images=data.hard_negative_images and split == "train",
+            num_hard_negatives=self.hard_negatives.captions if self.hard_negatives and split == "train" else 0,
+            hard_negative_images=bool(self.hard_negatives and self.hard_negatives.images and split == "train"),
             on_bad_image=data.on_bad_image,
             max_samples=getattr(data, f"max_{split}_samples"),
             karpathy_splits=tuple(getattr(data, f"{split}_karpathy_splits")),

@@ -6,7 +6,7 @@ splits once and caches, per caption,
 
     text tokens     [L_i, D]   projected, trimmed to the caption's EOS (L_i = SOT + words + EOS), float16
     text global     [D]        the projected EOS token (= `encode_text`), float32
-    neg tokens      [K][L, D]  the same for each of its K hard-negative captions (data.num_hard_negatives)
+    neg tokens      [K][L, D]  the same for each of its K hard-negative captions (method.hard_negatives.captions)
 and per image (stored once, shared by its captions)
     image tokens    [1 + P, D] the global embedding (= the projected CLS for token pooling) then the
                                projected patches, float16
@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from core.config import per_device_batch_size
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from datamodules.cache import (CacheError, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
                               open_cache, resolve_device, shard_count)
@@ -134,9 +135,10 @@ class FeatureSplit:
                 **({"caption_field": self.caption_field} if self.caption_field != "caption" else {})}
 
 
-def feature_splits(data) -> List[FeatureSplit]:
-    """The configured splits (`data` config section); validation keeps no hard negatives, as CocoDataModule."""
-    root = Path(data.root)
+def feature_splits(cfg) -> List[FeatureSplit]:
+    """The configured splits (`data` config section, hard-negative captions from `method.hard_negatives`);
+    validation keeps no hard negatives, as CocoDataModule."""
+    data, root = cfg.data, Path(cfg.data.root)
     splits = []
     for split in SPLITS:
         annotations = data[f"{split}_annotations"]
@@ -145,7 +147,7 @@ def feature_splits(data) -> List[FeatureSplit]:
         train = split == "train"
         splits.append(FeatureSplit(split, root / annotations, root / data[f"{split}_images"],
                                    tuple(data[f"{split}_karpathy_splits"]),
-                                   data.num_hard_negatives if train else 0, data[f"max_{split}_samples"],
+                                   cfg.method.hard_negatives.captions if train else 0, data[f"max_{split}_samples"],
                                    data.exclude_image_ids if train else None, data.caption_field))
     return splits
 
@@ -294,7 +296,7 @@ def negative_captions(records: Sequence[CaptionRecord], num_negatives: int, sour
     lacking = sum(1 for negatives in chosen if not negatives)
     if lacking:
         raise ValueError(f"{source}: {lacking} of {len(records)} annotations have no neg_captions, but "
-                         f"data.num_hard_negatives={num_negatives}")
+                         f"method.hard_negatives.captions={num_negatives}")
     counts = np.array([len(negatives) for negatives in chosen], dtype=np.int64)
     flat = [caption for negatives in chosen for caption in negatives]
     return [flat[row] for row in cycled_negative_rows(counts, num_negatives).reshape(-1)]
@@ -367,7 +369,7 @@ def build_frozen_backbone(cfg) -> Tuple[FrozenBackbone, Dict[str, Any]]:
     device = torch.device(resolve_device(cfg.preprocess.device))
     encoders = CLIPEncoders(built.model).to(device).eval().requires_grad_(False)
     backbone = FrozenBackbone(encoders, built.tokenizer, built.preprocess_val, device,
-                              cfg.data.val_batch_size or cfg.data.batch_size, cfg.data.num_workers,
+                              per_device_batch_size(cfg.data, validation=True), cfg.data.num_workers,
                               cfg.data.on_bad_image)
     return backbone, backbone_identity(built.name, built.model)
 
@@ -380,7 +382,7 @@ def run(cfg, shard: Tuple[int, int] = (0, 1)) -> Dict[str, dict]:
     """
     check_feature_inputs(cfg)
     backbone, identity = build_frozen_backbone(cfg)
-    return {split.split: cache_split(cfg, split, backbone, identity, shard) for split in feature_splits(cfg.data)}
+    return {split.split: cache_split(cfg, split, backbone, identity, shard) for split in feature_splits(cfg)}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -488,14 +490,14 @@ class FeatureDataModule(L.LightningDataModule):
         return cls(cfg, backbone_identity(module.model_name, module.clip))
 
     def _split(self, name: str) -> Optional[FeatureSplit]:
-        return next((s for s in feature_splits(self.cfg.data) if s.split == name), None)
+        return next((s for s in feature_splits(self.cfg) if s.split == name), None)
 
     def _open(self, split: FeatureSplit) -> FeatureShards:
         return open_feature_cache(split_cache_dir(self.cfg, split, self.backbone))
 
     def prepare_data(self) -> None:
         """Rank 0 checks that every split's cache is finished (the job is offline; nothing is built here)."""
-        for split in feature_splits(self.cfg.data):
+        for split in feature_splits(self.cfg):
             self._open(split)
 
     def setup(self, stage: str) -> None:
@@ -510,8 +512,9 @@ class FeatureDataModule(L.LightningDataModule):
         if self.train_dataset is None:
             raise RuntimeError("the train split is not built; call setup('fit') first")
         world_size, rank = self._world_size_and_rank()
-        check_enough_samples(len(self.train_dataset), self.cfg.data.batch_size, world_size)
-        return build_dataloader(self.train_dataset, batch_size=self.cfg.data.batch_size,
+        batch_size = per_device_batch_size(self.cfg.data)
+        check_enough_samples(len(self.train_dataset), batch_size, world_size)
+        return build_dataloader(self.train_dataset, batch_size=batch_size,
                                 num_workers=self.cfg.data.num_workers, world_size=world_size, rank=rank, train=True,
                                 seed=self.cfg.seed,
                                 position=trainer_epoch_position(self.trainer) if self.trainer else None)
@@ -521,7 +524,7 @@ class FeatureDataModule(L.LightningDataModule):
             raise RuntimeError("the val split is not built; call setup('fit') or setup('validate') first")
         world_size, rank = self._world_size_and_rank()
         data = self.cfg.data
-        return build_dataloader(self.val_dataset, batch_size=data.val_batch_size or data.batch_size,
+        return build_dataloader(self.val_dataset, batch_size=per_device_batch_size(data, validation=True),
                                 num_workers=data.num_workers, world_size=world_size, rank=rank, train=False)
 
     def _world_size_and_rank(self) -> Tuple[int, int]:

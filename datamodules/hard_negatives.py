@@ -76,7 +76,7 @@ class NegativeCaptions:
         lacking = sum(1 for record in records if not record.neg_captions)
         if lacking:
             raise ValueError(f"{source}: {lacking} of {len(records)} annotations have no neg_captions, but "
-                             f"data.num_hard_negatives={num_negatives}")
+                             f"method.hard_negatives.captions={num_negatives}")
         counts = np.array([len(record.neg_captions) for record in records], dtype=np.int64)
         return cls(tokenize([c for record in records for c in record.neg_captions]), counts, num_negatives)
 
@@ -139,7 +139,7 @@ def build_neighbour_table(records: Sequence[CaptionRecord], file_rows: int, on_b
     lacking = [record.caption_id for record in records if not record.neg_image_rows]
     if lacking:
         raise ValueError(f"{source}: {len(lacking)} of {len(records)} annotations have no neg_image (e.g. row "
-                         f"{lacking[0]}), but data.hard_negative_images=true needs the NegCLIP TSV's neg_image "
+                         f"{lacking[0]}), but method.hard_negatives.images=true needs the NegCLIP TSV's neg_image "
                          f"column (lists of row indices)")
     out_of_range = [(record.caption_id, index) for record in records for index in record.neg_image_rows
                     if not 0 <= index < file_rows]

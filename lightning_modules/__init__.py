@@ -11,27 +11,20 @@ attribution (the library, the training-time monitor and the heat-map CLI) is in 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Type
+from typing import TYPE_CHECKING, Dict, Sequence, Type
+
+from omegaconf import DictConfig
+
+from core.config import load_config, load_config_or_exit
 
 if TYPE_CHECKING:
     from lightning_modules.base import CompositionalCLIPModule
 
 
 def _registry() -> Dict[str, Type["CompositionalCLIPModule"]]:
-    from lightning_modules.methods.clip_cae import ClipCAE
-    from lightning_modules.methods.clip_ft import ClipFineTune
-    from lightning_modules.methods.macco import MaccoCLIP
-    from lightning_modules.methods.smartclip import SmartCLIP
-    from lightning_modules.methods.tflocal import TFGlobal, TFLocal
+    from lightning_modules.methods import REGISTRY
 
-    return {
-        "clip_ft": ClipFineTune,
-        "clip_cae": ClipCAE,
-        "macco": MaccoCLIP,
-        "smartclip": SmartCLIP,
-        "tflocal": TFLocal,
-        "tfglobal": TFGlobal,
-    }
+    return {name: entry.load() for name, entry in REGISTRY.items()}
 
 
 def _methods() -> Dict[str, Type["CompositionalCLIPModule"]]:
@@ -50,6 +43,20 @@ def __getattr__(name: str):
 
         return CompositionalCLIPModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def load_run_config(config_files: Sequence = (), overrides: Sequence[str] = (), **kwargs) -> DictConfig:
+    """`core.config.load_config` with every method's typed options: a training run's config, fully checked."""
+    from lightning_modules.methods import METHOD_OPTIONS
+
+    return load_config(config_files, overrides, methods=METHOD_OPTIONS, **kwargs)
+
+
+def load_run_config_or_exit(config_files: Sequence, overrides: Sequence[str]) -> DictConfig:
+    """`load_run_config` for command-line entry points: a config error ends the program with its message."""
+    from lightning_modules.methods import METHOD_OPTIONS
+
+    return load_config_or_exit(config_files, overrides, methods=METHOD_OPTIONS)
 
 
 def method_class(name: str) -> Type["CompositionalCLIPModule"]:

@@ -26,9 +26,10 @@ Terms = Dict[str, Tensor]
 
 
 # How to get each of NegCLIP's extra batch entries when a method's options ask for one that is missing.
-HARD_NEGATIVE_HINTS = {"neg_text": "set data.num_hard_negatives > 0 and use annotations with neg_captions",
-                       "neg_image": "the training split needs the NegCLIP TSV with data.hard_negative_images=true",
-                       "neg_image_neg_text": "set data.num_hard_negatives > 0 with data.hard_negative_images=true"}
+HARD_NEGATIVE_HINTS = {
+    "neg_text": "set method.hard_negatives.captions > 0 and use annotations with neg_captions",
+    "neg_image": "the training split needs the NegCLIP TSV with method.hard_negatives.images=true",
+    "neg_image_neg_text": "set method.hard_negatives.captions > 0 with method.hard_negatives.images=true"}
 
 
 def required_entry(batch: dict, key: str) -> Tensor:
@@ -76,9 +77,10 @@ def split_by_decay(named: List[Tuple[str, nn.Parameter]]) -> Tuple[list, list]:
 class CompositionalCLIPModule(L.LightningModule, ABC):
     """Base of every method. Args: cfg, the resolved experiment config (see config.py).
 
-    Class attributes read by `fit.check_inputs` before anything is built: `uses_hard_negatives` (the method's
-    objective takes NegCLIP's hard-negative captions when `method.hard_negatives` is true) and
-    `uses_hard_negative_images` (it trains on NegCLIP's neighbour images, `data.hard_negative_images`).
+    Class attributes read by `fit.check_inputs` before anything is built: `uses_hard_negatives` (the method
+    trains on NegCLIP's hard-negative captions, `method.hard_negatives.captions` > 0),
+    `uses_hard_negative_images` (it trains on NegCLIP's neighbour images, `method.hard_negatives.images`) and
+    `required_masks` (the preprocessing cache's masks it reads from every batch: data.masks=true).
     """
 
     uses_hard_negatives = False
@@ -125,9 +127,9 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
     # ----- NegCLIP's hard-negative captions, shared by every method that takes them ---------------------------
     @property
     def trains_on_hard_negatives(self) -> bool:
-        """True in training with `method.hard_negatives`: hard captions shape the training objective only
-        (validation scores the method's plain loss of the samples themselves)."""
-        return self.training and bool(self.cfg.method.hard_negatives)
+        """True in training with `method.hard_negatives.captions` > 0: hard captions shape the training objective
+        only (validation scores the method's plain loss of the samples themselves)."""
+        return self.training and self.cfg.method.hard_negatives.captions > 0
 
     @staticmethod
     def hard_negative_ids(batch: dict, neighbours: bool = False) -> Tensor:

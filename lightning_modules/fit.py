@@ -31,20 +31,21 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from core.config import ConfigError, load_config_or_exit, save_config
+from core.config import ConfigError, save_config
 from datamodules.coco import CocoDataModule
 from datamodules.inputs import InputError, data_input_problems, raise_if_any
 from evaluation.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData
 from evaluation.harness import build_benchmarks, default_roots
 from evaluation.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
-from lightning_modules import METHODS, method_class
+from lightning_modules import METHODS, load_run_config_or_exit, method_class
 from lightning_modules.attribution.monitor import build_attribution_monitor
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
                                         SamplesPerSecond, run_progress_bar)
 from lightning_modules.base import NonFiniteLossError
-from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, candidates, check_resume_config,
-                                     checked_checkpoint, checkpoint_step, choose_resume_checkpoint, ResumeConfigError)
+from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, ResumeConfigError, candidates,
+                                     check_resume_config, checked_checkpoint, checkpoint_step,
+                                     choose_resume_checkpoint, refuse_old_layout)
 from lightning_modules.stops import (STOPS_RECORD, RunDirectoryBusy, RunLock, SafeStop, StopSignals, StoppedBySignal,
                                      requeue_slurm_job, slurm_plugins)
 
@@ -108,8 +109,11 @@ def check_rerun(cfg: DictConfig) -> list:
     if not cfg.resume:
         return []
     new = OmegaConf.to_container(cfg, resolve=True)
-    return [change for where, stored in stored_configs(cfg, run_dir_of(cfg))
-            for change in check_resume_config(stored, new, where)]
+    changes = []
+    for where, stored in stored_configs(cfg, run_dir_of(cfg)):
+        refuse_old_layout(stored, where)
+        changes += check_resume_config(stored, new, where)
+    return changes
 
 
 def record_resume(run_dir: Path, checkpoint: Optional[str], changes: list) -> None:
@@ -282,8 +286,34 @@ def build_datamodule(cfg: DictConfig, module: CompositionalCLIPModule) -> L.Ligh
 
         return FeatureDataModule.for_module(cfg, module)
     return CocoDataModule(cfg.data, module.tokenizer, module.preprocess_train, module.preprocess_val,
-                          seed=cfg.seed, preprocess=cfg.preprocess,
-                          image_config=module.clip.visual.preprocess_cfg, grid_size=module.encoders.grid_size[0])
+                          seed=cfg.seed, preprocess=cfg.preprocess, image_config=module.clip.visual.preprocess_cfg,
+                          grid_size=module.encoders.grid_size[0], hard_negatives=cfg.method.hard_negatives)
+
+
+def split_global_batch(key: str, global_batch: int, devices: int, accumulate: int = 1) -> int:
+    """The per-device batch of `global_batch` over `devices` (x `accumulate` micro-batches); a batch that does not
+    divide is a `ConfigError` naming `key` and the nearest batches that would."""
+    parts = devices * accumulate
+    if global_batch < parts or global_batch % parts:
+        below, above = global_batch // parts * parts, (global_batch // parts + 1) * parts
+        nearest = " or ".join(str(b) for b in (below, above) if b > 0)
+        raise ConfigError(f"{key}={global_batch} is the global batch and does not divide over {devices} device(s) x "
+                          f"{accumulate} accumulated micro-batch(es); give a multiple of {parts} (e.g. {nearest})")
+    return global_batch // parts
+
+
+def with_per_device_batches(cfg: DictConfig, devices: int) -> DictConfig:
+    """Record in `cfg` the per-device batches fit derives from the global ones (`data.batch_size`,
+    `data.val_batch_size`) and the trainer's device count (devices x nodes) and accumulation."""
+    accumulate = cfg.trainer.accumulate_grad_batches
+    data = cfg.data
+    data.per_device_batch_size = split_global_batch("data.batch_size", data.batch_size, devices, accumulate)
+    data.per_device_val_batch_size = split_global_batch("data.val_batch_size",
+                                                        data.val_batch_size or data.batch_size, devices)
+    if rank_zero_only.rank == 0:
+        print(f"global batch {data.batch_size} = {devices} device(s) x {data.per_device_batch_size} per device"
+              + (f" x {accumulate} accumulated" if accumulate > 1 else ""), flush=True)
+    return cfg
 
 
 def check_inputs(cfg: DictConfig) -> None:
@@ -339,33 +369,39 @@ def benchmark_name_problems(cfg: DictConfig) -> List[str]:
 
 
 def hard_negative_problems(cfg: DictConfig, method: type) -> List[str]:
-    """NegCLIP options the method would ignore or that lack their data: `method.hard_negatives` needs a method
-    whose objective takes hard captions (`uses_hard_negatives`) and `data.num_hard_negatives > 0`;
-    `data.hard_negative_images` a method that trains on the neighbours (`uses_hard_negative_images`).
-    TFLocal / TFGlobal score `data.num_hard_negatives` captions in their aligner loss without either flag."""
+    """NegCLIP's hard negatives (`method.hard_negatives.*`) for a method that would ignore them: captions need a
+    method that trains on hard captions (`uses_hard_negatives`), images one that trains on the neighbours
+    (`uses_hard_negative_images`)."""
     def users(flag: str) -> str:
         return ", ".join(name for name, cls in sorted(METHODS.items()) if getattr(cls, flag, False))
 
-    name, problems = cfg.method.name, []
-    if cfg.method.hard_negatives and not getattr(method, "uses_hard_negatives", False):
-        problems.append(f"method.hard_negatives=true: method {name} does not train on hard-negative captions "
-                        f"through it (only {users('uses_hard_negatives')} do)")
-    elif cfg.method.hard_negatives and cfg.data.num_hard_negatives < 1:
-        problems.append(f"method.hard_negatives=true: set data.num_hard_negatives > 0 (it is "
-                        f"{cfg.data.num_hard_negatives}), with annotations that have neg_captions")
-    if cfg.data.hard_negative_images and not getattr(method, "uses_hard_negative_images", False):
-        problems.append(f"data.hard_negative_images=true: method {name} does not train on hard-negative images "
+    name, negatives, problems = cfg.method.name, cfg.method.hard_negatives, []
+    if negatives.captions < 0:
+        problems.append(f"method.hard_negatives.captions={negatives.captions}: give 0 (none) or more")
+    if negatives.captions > 0 and not getattr(method, "uses_hard_negatives", False):
+        problems.append(f"method.hard_negatives.captions={negatives.captions}: method {name} does not train on "
+                        f"hard-negative captions (only {users('uses_hard_negatives')} do)")
+    if negatives.images and not getattr(method, "uses_hard_negative_images", False):
+        problems.append(f"method.hard_negatives.images=true: method {name} does not train on hard-negative images "
                         f"(only {users('uses_hard_negative_images')} do)")
     return problems
 
 
-def already_finished(run_dir: Path, checkpoint: Optional[str], changes: list) -> bool:
-    """A rerun of a finished run (its export is of the resume checkpoint's step) that asks for no more training
-    (no new max_steps / max_epochs): nothing to do, so nothing is written (no empty event file, no re-export)."""
+def already_finished(cfg: DictConfig, run_dir: Path, checkpoint: Optional[str]) -> bool:
+    """A rerun of a run that trained its whole length (its resume checkpoint reached `trainer.max_steps`, or
+    `max_epochs` when steps are unlimited) and exported that step: nothing to do, so nothing is written (no
+    empty event file, no re-export). A longer max_steps / max_epochs continues it."""
     export = run_dir / "export" / "model.json"
-    if checkpoint is None or not export.is_file() or any(key.startswith("trainer.max_") for key, *_ in changes):
+    if checkpoint is None or not export.is_file():
         return False
-    return json.loads(export.read_text()).get("global_step") == checkpoint_step(Path(checkpoint))
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)
+    step = int(state.get("global_step", -1))
+    if json.loads(export.read_text()).get("global_step") != step:
+        return False
+    if cfg.trainer.max_steps > 0:
+        return step >= cfg.trainer.max_steps
+    epochs = state.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    return cfg.trainer.max_epochs > 0 and epochs.get("completed", 0) >= cfg.trainer.max_epochs
 
 
 def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> Optional[L.Trainer]:
@@ -380,16 +416,19 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> Optional
     benchmarks = training_benchmarks(cfg)
     check_train_overlap(cfg, benchmarks)
     with RunLock(run_dir_of(cfg)), removed_unless_trained(run_dir_of(cfg), fresh=not cfg.resume) as attempt:
+        # The trainer first (it writes nothing until fit): its device count sets the per-device batch, which
+        # config.yaml and the module's saved config record.
+        trainer = attempt.trainer = build_trainer(cfg, run_dir_of(cfg), extra_callbacks, benchmarks)
+        cfg = with_per_device_batches(cfg, trainer.world_size)
         run_dir = prepare_run_dir(cfg)
         L.seed_everything(cfg.seed, workers=True)
         checkpoint = resume_checkpoint(cfg, run_dir)
-        if already_finished(run_dir, checkpoint, changes):
+        if already_finished(cfg, run_dir, checkpoint):
             print(f"{run_dir} finished at step {checkpoint_step(Path(checkpoint))} (its export is in "
                   f"{run_dir / 'export'}): nothing to do", flush=True)
             return None
         module = build_module(cfg, resuming=checkpoint is not None)
         datamodule = build_datamodule(cfg, module)
-        trainer = attempt.trainer = build_trainer(cfg, run_dir, extra_callbacks, benchmarks)
         record_resume(run_dir, checkpoint, changes)
         fit_or_report_stop(trainer, module, datamodule, checkpoint)
     return trainer
@@ -421,7 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
-        run(load_config_or_exit(args.config, args.overrides))
+        run(load_run_config_or_exit(args.config, args.overrides))
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
     except (ResumeConfigError, TrainingOverlapError, RunDirectoryBusy) as err:

@@ -16,12 +16,15 @@ anything but `RESUME_SAFE_KEYS` is refused before anything is written (`config_c
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+
+from core.config import DERIVED_KEYS, MethodConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +35,16 @@ BEST_CHECKPOINTS = "best-*.ckpt"
 
 # Keys a resumed run may change without becoming a different experiment: how long it runs, what it logs and
 # evaluates, how it reports progress, where it resumes from, how many loader workers it uses (each sample's
-# randomness is seeded by the sample, not by the worker). A key ending in "." is a prefix (a whole section).
+# randomness is seeded by the sample, not by the worker), how many devices share the global batch (the
+# sampler interleaves one seeded order over the ranks, so every optimizer step sees the same samples on any
+# device count). A key ending in "." is a prefix (a whole section). The per-device batches derived from the
+# devices (core.config.DERIVED_KEYS) are not compared: the global batch is.
 # Changing the length re-stretches the cosine schedule from the resume step on; the change is recorded in
 # `resumes.jsonl` of the run directory, so the record says what ran.
 RESUME_SAFE_KEYS = (
     "trainer.max_steps", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.enable_progress_bar",
     "trainer.num_sanity_val_steps", "checkpoint.every_n_steps", "evaluation.", "monitor.", "resume", "resume_from",
-    "runs_root", "data.num_workers",
+    "runs_root", "data.num_workers", "trainer.devices", "trainer.num_nodes",
 )
 
 
@@ -124,11 +130,38 @@ def is_resume_safe(key: str) -> bool:
 
 
 def config_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> List[Tuple[str, Any, Any]]:
-    """Every `(key, stored value, new value)` that differs (a key missing on one side reads as `<absent>`)."""
+    """Every `(key, stored value, new value)` that differs (a key missing on one side reads as `<absent>`),
+    derived keys left out."""
     before, after = flatten(stored), flatten(new)
     absent = "<absent>"
     return [(key, before.get(key, absent), after.get(key, absent)) for key in sorted(set(before) | set(after))
-            if before.get(key, absent) != after.get(key, absent)]
+            if before.get(key, absent) != after.get(key, absent) and key not in DERIVED_KEYS]
+
+
+def refuse_old_layout(stored: Mapping[str, Any], where: Path) -> None:
+    """A run written before each method owned its options and NegCLIP's settings became one block
+    (`method.hard_negatives: true/false`, `data.num_hard_negatives`, `data.hard_negative_images`, every method's
+    options in one section) is refused on resume with the edits that convert its config.yaml."""
+    from lightning_modules.methods import METHOD_OPTIONS  # light: the option classes only
+
+    method, data = dict(stored.get("method") or {}), dict(stored.get("data") or {})
+    if not isinstance(method.get("hard_negatives", {}), bool) and "num_hard_negatives" not in data:
+        return
+    name = method.get("name", "clip_ft")
+    own = {field.name for field in dataclasses.fields(METHOD_OPTIONS.get(name, MethodConfig))}
+    foreign = sorted(key for key in method if key not in own)
+    aligner = name in ("tflocal", "tfglobal")  # they scored data.num_hard_negatives without the flag
+    captions = data.get("num_hard_negatives", 0) if method.get("hard_negatives") or aligner else 0
+    raise ResumeConfigError(
+        f"{where} was written by an older version whose config.yaml has another layout; nothing was written. To "
+        f"resume it, edit its config.yaml (and, with resume_from, use a checkpoint of the converted run):\n"
+        f"  - replace method.hard_negatives: {method.get('hard_negatives')} with method.hard_negatives: "
+        f"{{captions: {captions}, images: {str(bool(data.get('hard_negative_images', False))).lower()}}}\n"
+        f"  - delete data.num_hard_negatives and data.hard_negative_images\n"
+        f"  - delete the keys of other methods under method: {', '.join(foreign) or '(none)'}\n"
+        f"  - add data.per_device_batch_size / per_device_val_batch_size: nothing (fit derives them); note that "
+        f"data.batch_size is now the global batch (it was per device)\n"
+        f"or start it fresh with resume=false (the old directory is moved aside).")
 
 
 def check_resume_config(stored: Mapping[str, Any], new: Mapping[str, Any], run_dir: Path) -> List[Tuple[str, Any, Any]]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from core.config import load_config
+from lightning_modules import load_run_config
 from core.encoders import CLIPEncoders, build_model
 from datamodules.coco import CocoDataModule
 from datamodules.preprocess import run as run_preprocess
@@ -80,7 +80,7 @@ def measure(cfg, workers: Sequence[int], batches: int) -> List[dict]:
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     args = parse_args(argv)
     overrides = ([] if args.config else default_data()) + list(args.overrides)
-    cfg = load_config(args.config, overrides)
+    cfg = load_run_config(args.config, overrides)
     run_preprocess(cfg)
     rows = measure(cfg, [int(w) for w in args.workers.split(",")], args.batches)
     args.out.parent.mkdir(parents=True, exist_ok=True)

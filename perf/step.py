@@ -27,12 +27,11 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from core.config import load_config
 from datamodules.annotations import read_negclip_tsv
 from datamodules.features import TOKEN_DTYPE
 from datamodules.masks import CaptionMasks
 from datamodules.word_vocabulary import WordVocabulary
-from lightning_modules import method_class
+from lightning_modules import load_run_config, method_class
 from lightning_modules.base import total_loss
 from parsers.scene_graph import SceneGraphParser
 
@@ -40,7 +39,7 @@ PAPER_ALIGNER = ["method.aligner_width=512", "method.aligner_layers=4", "method.
 # name -> config overrides. Later methods add their variants here.
 VARIANTS: Dict[str, List[str]] = {
     "clip_ft": [],
-    "negclip": ["method.hard_negatives=true", "data.num_hard_negatives=1"],
+    "negclip": ["method.hard_negatives.captions=1"],
     **{f"cae_{name}": ["method.name=clip_cae", f"method.attribution.name={name}"]
        for name in ("attention", "gradcam", "perturbation", "gradient", "grad_eclip")},
     # [ours] options of CAE's attribution: last-layer GradCAM, one replacement token per word, Grad-ECLIP on the
@@ -152,7 +151,7 @@ def token_masks(captions: List[str], tokenizer) -> Dict[str, torch.Tensor]:
 def cached_feature_batch(module, batch: dict, num_hard_negatives: int) -> dict:
     """A frozen-backbone method's batch as the feature cache serves it (datamodules.features), so the timed step
     is the step they train with: the frozen CLIP encodes once, here, outside the timed steps; tokens are in the
-    cache's float16 (globals float32); hard-negative captions only with `data.num_hard_negatives` > 0 (the
+    cache's float16 (globals float32); hard-negative captions only with `method.hard_negatives.captions` > 0 (the
     recipes have none; then each image gets the batch's one negative caption)."""
     if num_hard_negatives <= 0:
         batch = {key: value for key, value in batch.items() if key != "neg_text"}
@@ -169,14 +168,14 @@ class Variant:
 
     def __init__(self, name: str, args: argparse.Namespace):
         overrides = [f"model.name={args.model}", "model.pretrained=null", *args.overrides, *VARIANTS[name]]
-        cfg = load_config([REPO_ROOT / CONFIG_FILES[name]] if name in CONFIG_FILES else [], overrides)
+        cfg = load_run_config([REPO_ROOT / CONFIG_FILES[name]] if name in CONFIG_FILES else [], overrides)
         torch.manual_seed(0)
         self.name = name
         self.module = method_class(cfg.method.name)(cfg).to(args.device).train()
         self.optimizer = torch.optim.AdamW(self.module.param_groups(), lr=1e-6)
         self.batch = make_batch(self.module, args.batch_size, args.device)
         if getattr(self.module, "reads_cached_features", False):
-            self.batch = cached_feature_batch(self.module, self.batch, cfg.data.num_hard_negatives)
+            self.batch = cached_feature_batch(self.module, self.batch, cfg.method.hard_negatives.captions)
         self.device, self.bf16 = args.device, args.precision == "bf16"
         self.times: List[float] = []
         self.memory_bytes = 0

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from core.config import load_config_or_exit
+from lightning_modules import load_run_config_or_exit
 from lightning_modules.fit import build_datamodule, build_module
 
 # "other": the method's head (predictors, mask tokens, aligners) and CLIP's logit_scale.
@@ -96,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     if args.batches < 1:
         raise SystemExit("--batches must be at least 1")
-    cfg = load_config_or_exit(args.config, args.overrides)
+    cfg = load_run_config_or_exit(args.config, args.overrides)
     torch.manual_seed(cfg.seed)
     module = build_module(cfg)
     data = build_datamodule(cfg, module)

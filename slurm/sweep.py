@@ -55,7 +55,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from core.config import ConfigError, load_config
+from core.config import ConfigError
 from core.files import atomic_write_text
 from lightning_modules.study.runs import RUN_LOG, SWEEP_FILE, export_complete
 
@@ -196,11 +196,12 @@ def run_problems(run: Run, runs_root: str) -> Tuple[List[str], List[str]]:
     """(config problems, missing data) of one run, found as fit finds them before building anything: its command
     line parsed by fit, every config file and override merged and the choices checked (`load_config`), the
     method looked up in the registry, the options it cannot train with; then the data files it reads."""
-    from lightning_modules import fit  # Lightning and the methods: imported once a sweep file has loaded
+    # Lightning and the methods: imported once a sweep file has loaded
+    from lightning_modules import fit, load_run_config
 
     args = fit.parse_args(run.fit_args(runs_root))
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides)
         method = fit.registered_method(cfg.method.name)
     except ConfigError as err:
         return [str(err)], []

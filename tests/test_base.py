@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from core.config import load_config
+from lightning_modules import load_run_config
 from lightning_modules.base import total_loss, warmup_cosine
 from lightning_modules.fit import resolve_precision
 from lightning_modules.methods.clip_ft import ClipFineTune
 
 
 def tiny_cfg(*overrides: str):
-    return load_config([], ["model.name=ViT-Tiny-16-64", "model.pretrained=null", *overrides])
+    return load_run_config([], ["model.name=ViT-Tiny-16-64", "model.pretrained=null", *overrides])
 
 
 class WithHead(ClipFineTune):

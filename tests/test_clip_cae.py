@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.config import REPO_ROOT, load_config
+from core.config import REPO_ROOT
+from lightning_modules import load_run_config
 from datamodules.shapes import generate
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
 from lightning_modules.attribution.library import (ATTRIBUTIONS, TextAttributionInputs, attribution_options,
@@ -51,7 +52,7 @@ def test_no_valid_caption_gives_zero_not_nan():
 
 
 def make_module(method: str, *overrides: str) -> ClipCAE:
-    cfg = load_config([], ["model.name=ViT-Tiny-16-64", "method.name=clip_cae", f"method.attribution.name={method}",
+    cfg = load_run_config([], ["model.name=ViT-Tiny-16-64", "method.name=clip_cae", f"method.attribution.name={method}",
                            "method.attribution.eclip_layers=2", "method.attr_weight=2.0", "method.attr_margin=0.5",
                            "method.attribution.num_replacements=2", *overrides])
     torch.manual_seed(0)
@@ -176,7 +177,7 @@ def test_missing_batch_keys_name_the_setting(missing, graphs):
 def test_configs_follow_the_paper():
     """Each cae_*.yaml trains with the paper's definitions; ours stay options."""
     for path in sorted((REPO_ROOT / "configs").glob("cae_*.yaml")):
-        method = load_config([path]).method
+        method = load_run_config([path]).method
         assert method.attr_hinge == "batch", path.name
         attribution = method.attribution
         assert (attribution.start_layer, attribution.replacement) == (0, "kind"), path.name
@@ -196,7 +197,7 @@ def test_fit_with_the_papers_perturbation_stores_the_vocabulary(shapes_root, tmp
     vocabulary (the training captions' words per kind), the checkpoint carries it, and a resume restores it."""
     from datamodules.preprocess import run as run_preprocess
 
-    cfg = load_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
+    cfg = load_run_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
         "model.name=ViT-Tiny-16-64", f"data.root={shapes_root}", f"runs_root={tmp_path}", "data.batch_size=8",
         "data.num_workers=0", "trainer.enable_progress_bar=false", "trainer.max_steps=2", "trainer.limit_val_batches=1",
         "trainer.num_sanity_val_steps=0", f"preprocess.cache_root={tmp_path / 'cache'}", "method.name=clip_cae",

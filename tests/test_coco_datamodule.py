@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from core.config import DataConfig
+from core.config import DataConfig, HardNegativesConfig
 from datamodules.annotations import read_annotation_file, read_negclip_tsv
 from datamodules.coco import CocoCaptions, CocoDataModule, UnreadableImageError, build_dataloader
 from datamodules.hard_negatives import NeighbourTable, build_neighbour_table, draw_positions
@@ -637,9 +637,9 @@ def test_hard_negative_images_need_the_neg_image_column(coco_dir, tmp_path, toke
 
 
 def test_only_the_training_split_gets_neighbours(negclip_dir, tokenizer, transform):
-    config = data_config(negclip_dir, train_annotations="train.tsv", val_annotations="train.tsv",
-                         num_hard_negatives=1, hard_negative_images=True)
-    module = CocoDataModule(config, tokenizer, transform, transform)
+    config = data_config(negclip_dir, train_annotations="train.tsv", val_annotations="train.tsv")
+    negatives = OmegaConf.structured(HardNegativesConfig(captions=1, images=True))
+    module = CocoDataModule(config, tokenizer, transform, transform, hard_negatives=negatives)
     module.setup("fit")
     assert {"neg_image", "neg_image_text", "neg_image_neg_text", "neg_text"} <= set(module.train_dataset[0])
     assert not {"neg_image", "neg_text"} & set(module.val_dataset[0])

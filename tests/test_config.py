@@ -122,3 +122,58 @@ def test_the_long_study_gives_every_fine_tuning_method_the_same_budget():
             budgets[run.name] = (cfg.trainer.max_steps, cfg.data.batch_size, cfg.model.pretrained, cfg.data.root)
     assert len(budgets) == 60
     assert set(budgets.values()) == {(600, 64, "runs/study_long/backbones/seed-0/export", "data/study_long")}
+
+
+# ----- each method owns its options ---------------------------------------------------------------------------
+def test_a_key_of_another_method_is_refused_naming_its_owner():
+    from lightning_modules import load_run_config
+
+    with pytest.raises(ConfigError, match=r"'method.mlm_weight' .* is an option of method macco, and this run's "
+                                          r"method is clip_ft"):
+        load_run_config([], ["method.mlm_weight=0"])
+    with pytest.raises(ConfigError, match=r"method.hard_mask.*option of method smartclip.*method is macco; its "
+                                          r"options: .*method.mlm_weight"):
+        load_run_config([REPO_ROOT / "configs" / "macco.yaml"], ["method.hard_mask=false"])
+
+
+def test_a_typo_in_a_method_key_names_the_closest_of_that_method():
+    from lightning_modules import load_run_config
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'method.mlm_weigth'.*did you mean 'method.mlm_weight'"):
+        load_run_config([], ["method.name=macco", "method.mlm_weigth=3"])
+    with pytest.raises(ConfigError, match=r"method.name='maco' is not a registered method; did you mean 'macco'"):
+        load_run_config([], ["method.name=maco"])
+    with pytest.raises(ConfigError, match=r"method.aligner_loss='itn' is not one of infonce, itm; did you mean"):
+        load_run_config([], ["method.name=tflocal", "method.aligner_loss=itn"])
+
+
+def test_the_method_section_holds_its_own_options_only():
+    from lightning_modules import load_run_config
+
+    cfg = load_run_config([REPO_ROOT / "configs" / "smartclip.yaml"])
+    assert "mlm_weight" not in cfg.method and "attribution" not in cfg.method and cfg.method.hard_mask
+    assert cfg.method.hard_negatives == {"captions": 0, "images": False}
+
+
+def test_without_the_registry_method_keys_are_left_to_training():
+    """Preprocessing loads training configs without the method classes: their own keys pass unchecked."""
+    cfg = load_config([REPO_ROOT / "configs" / "macco.yaml"])
+    assert cfg.method.mlm_weight == 20.0
+
+
+def test_derived_per_device_batches_cannot_be_set():
+    with pytest.raises(ConfigError, match="per_device_batch_size .*derived from data.batch_size"):
+        load_config([], ["data.per_device_batch_size=4"])
+    assert load_config([], ["data.per_device_batch_size=4"], saved=True).data.per_device_batch_size == 4
+
+
+def test_the_global_batch_splits_over_devices_and_accumulation_or_is_refused():
+    from lightning_modules.fit import split_global_batch
+
+    assert split_global_batch("data.batch_size", 256, 4) == 64
+    assert split_global_batch("data.batch_size", 1024, 1, accumulate=4) == 256
+    with pytest.raises(ConfigError, match=r"data.batch_size=256 is the global batch and does not divide over 3 "
+                                          r"device\(s\).*multiple of 3 \(e.g. 255 or 258\)"):
+        split_global_batch("data.batch_size", 256, 3)
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        split_global_batch("data.batch_size", 4, 8)

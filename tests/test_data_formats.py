@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 from torchvision.transforms import Compose, InterpolationMode, Normalize, RandomResizedCrop, ToTensor
 
-from core.config import REPO_ROOT, load_config
+from core.config import REPO_ROOT
+from lightning_modules import load_run_config
 from datamodules.annotations import read_annotation_file
 from datamodules.coco import CocoCaptions, read_image_ids
 from datamodules.transforms import CropResize, box_overlaps_crop, center_square
@@ -82,7 +83,7 @@ def test_eval_transform_matches_open_clip_preprocessing():
 def test_the_paper_config_draws_the_training_crop_as_torchvision_does():
     """configs/macco.yaml: MACCO's RandomResizedCrop(224, scale (0.9, 1.0), bicubic), one draw per sample, the same
     region and pixels for the same generator state, also when that region cuts away the phrase's only box."""
-    cfg = load_config([REPO_ROOT / "configs" / "macco.yaml"])
+    cfg = load_run_config([REPO_ROOT / "configs" / "macco.yaml"])
     mean, std = (0.48, 0.45, 0.40), (0.26, 0.26, 0.27)
     ours = CropResize.from_open_clip({"size": 224, "mean": mean, "std": std}, train=True, scale=cfg.data.crop_scale,
                                      box_aware=cfg.data.box_aware_crop)

@@ -6,7 +6,8 @@ import importlib
 
 import pytest
 
-from core.config import REPO_ROOT, load_config
+from core.config import REPO_ROOT
+from lightning_modules import load_run_config
 from lightning_modules import METHODS, fit
 from test_fit import NEEDS_MASKS, TINY, shapes_root  # noqa: F401 (fixture)
 
@@ -74,7 +75,7 @@ def test_config_files_and_overrides_may_interleave(module, tmp_path):
     assert args.config == [str(first), str(second)]
     assert args.overrides == ["optim.lr=0.3", "seed=3", "seed=4"]
     # every file merges before every override, each in the order given: the override given first still wins
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     assert (cfg.experiment, cfg.optim.lr, cfg.optim.warmup_steps, cfg.seed) == ("a", 0.3, 7, 4)
 
 

@@ -11,7 +11,7 @@ import torch
 from test_fit import shapes_root, tiny_config  # noqa: F401  (shapes_root is a fixture)
 from tolerance import scaled_close
 
-from core.config import load_config
+from lightning_modules import load_run_config
 from core.encoders import build_model
 from lightning_modules.fit import build_datamodule, run
 from lightning_modules.long_context import stretch_factor, stretch_positional_embedding, stretched_model_name
@@ -63,7 +63,7 @@ def test_only_integer_stretches_are_accepted():
 
 def smartclip(*overrides: str) -> SmartCLIP:
     torch.manual_seed(0)
-    return SmartCLIP(load_config([], [f"model.name={TINY}", "method.name=smartclip", *overrides]))
+    return SmartCLIP(load_run_config([], [f"model.name={TINY}", "method.name=smartclip", *overrides]))
 
 
 def test_the_module_stretches_the_text_context_and_its_tokenizer():

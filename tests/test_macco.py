@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_fit import mask_cache, shapes_root, tiny_config  # noqa: F401 (pytest fixtures)
 
-from core.config import REPO_ROOT, load_config
+from core.config import REPO_ROOT
+from lightning_modules import load_run_config
 from core.encoders import TextFeatures
 from core.export import load_export
 from lightning_modules import METHODS
@@ -173,7 +174,7 @@ def test_sincos_positions_follow_mae_column_half_first():
 
 # ----- the module on a hand-made batch -------------------------------------------------------------------
 def make_module(*overrides: str) -> MaccoCLIP:
-    cfg = load_config([], ["model.name=ViT-Tiny-16-64", "method.name=macco", *overrides])
+    cfg = load_run_config([], ["model.name=ViT-Tiny-16-64", "method.name=macco", *overrides])
     torch.manual_seed(0)
     return MaccoCLIP(cfg).train()
 
@@ -199,7 +200,7 @@ def make_batch(module: MaccoCLIP) -> dict:
 
 
 def test_default_weights_are_the_papers():
-    m = load_config([], ["method.name=macco"]).method
+    m = load_run_config([], ["method.name=macco"]).method
     assert (m.mca_weight, m.mir_weight, m.mlm_weight, m.mim_weight) == (1.0, 0.1, 20.0, 250.0)
     assert (m.text_predictor_depth, m.image_predictor_depth) == (2, 3)
     assert m.key_padding_mask  # the schema's default is ours; configs/macco.yaml turns it off (the original)
@@ -253,7 +254,7 @@ def with_hard_captions(module: MaccoCLIP, batch: dict) -> dict:
 def test_hard_negatives_are_extra_image_to_text_columns_of_l_mca_in_training_only(module):
     """MACCO + NegCLIP: L_mca with the hard captions (open_clip's own text forward) equals the float64 reference;
     the other three terms, validation, and a run without the option are unchanged."""
-    negclip = make_module("method.hard_negatives=true")  # the same weights as `module` (seed 0)
+    negclip = make_module("method.hard_negatives.captions=2")  # the same weights as `module` (seed 0)
     batch = with_hard_captions(negclip, make_batch(negclip))
     terms, report = negclip.compute_terms(batch)
     plain, plain_report = module.compute_terms(batch)  # neg_text in the batch, option off: ignored
@@ -282,8 +283,8 @@ def test_hard_negatives_are_extra_image_to_text_columns_of_l_mca_in_training_onl
 
 
 def test_hard_negatives_without_hard_captions_in_the_batch_name_the_setting():
-    negclip = make_module("method.hard_negatives=true")
-    with pytest.raises(KeyError, match="data.num_hard_negatives > 0"):
+    negclip = make_module("method.hard_negatives.captions=2")
+    with pytest.raises(KeyError, match="method.hard_negatives.captions > 0"):
         negclip.compute_terms(make_batch(negclip))
 
 
@@ -508,7 +509,7 @@ def group_names(module: MaccoCLIP) -> dict:
 
 
 def config_module(config: str) -> MaccoCLIP:
-    cfg = load_config([REPO_ROOT / "configs" / config], ["model.name=ViT-Tiny-16-64", "model.pretrained=null"])
+    cfg = load_run_config([REPO_ROOT / "configs" / config], ["model.name=ViT-Tiny-16-64", "model.pretrained=null"])
     torch.manual_seed(0)
     return MaccoCLIP(cfg)
 
@@ -556,7 +557,7 @@ def leaves(node, prefix: str = "") -> dict:
 
 
 def test_configs_hold_the_recipe():
-    paper = load_config([REPO_ROOT / "configs" / "macco.yaml"])
+    paper = load_run_config([REPO_ROOT / "configs" / "macco.yaml"])
     assert paper.model.name == "ViT-B-32-quickgelu" and paper.model.pretrained == "openai"
     assert paper.data.masks and paper.preprocess.grounder == "groundingdino"
     assert (paper.trainer.max_epochs, paper.data.batch_size, paper.optim.warmup_steps) == (5, 256, 50)
@@ -566,13 +567,13 @@ def test_configs_hold_the_recipe():
     assert not paper.method.key_padding_mask
     assert paper.optim.head_decay_1d and paper.optim.logit_scale_group == "head"
     assert paper.data.comp_mask_rule == "first_bpe_match"  # the original's; every_occurrence is ours
-    demo = load_config([REPO_ROOT / "configs" / "demo" / "macco.yaml"])
+    demo = load_run_config([REPO_ROOT / "configs" / "demo" / "macco.yaml"])
     assert demo.model.pretrained == "runs/demo_pretrain/export" and demo.trainer.max_steps == 100
     assert demo.method.name == "macco" and demo.data.masks
 
 
 def test_our_recipe_differs_from_the_paper_config_only_in_our_options():
-    paper, ours = (leaves(OmegaConf.to_container(load_config([REPO_ROOT / "configs" / name])))
+    paper, ours = (leaves(OmegaConf.to_container(load_run_config([REPO_ROOT / "configs" / name])))
                    for name in ("macco.yaml", "macco_ours.yaml"))
     differences = {key: (paper[key], ours[key]) for key in paper if paper[key] != ours[key]}
     assert differences == {"experiment": ("macco_coco", "macco_ours_coco"),

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from core.config import REPO_ROOT, load_config
+from core.config import REPO_ROOT
+from lightning_modules import load_run_config
 from lightning_modules.base import total_loss
 from lightning_modules.methods.macco import MaccoCLIP
 from parsers.grounding import random_rectangle_mask, rectangle_shapes
@@ -62,7 +63,7 @@ def official_to_project() -> Dict[str, str]:
 
 
 def build_module() -> MaccoCLIP:
-    cfg = load_config([REPO_ROOT / "configs" / "macco.yaml"], [
+    cfg = load_run_config([REPO_ROOT / "configs" / "macco.yaml"], [
         "model.name=MACCO-Tiny-32-224", f"model.config_dir={FIXTURE / 'model_configs'}", "model.pretrained=null"])
     module = MaccoCLIP(cfg).train()
     weights, mapping = official_weights(), official_to_project()

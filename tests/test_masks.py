@@ -10,7 +10,8 @@ import open_clip
 import pytest
 from PIL import Image
 
-from core.config import ConfigError, load_config
+from core.config import ConfigError
+from lightning_modules import load_run_config
 from datamodules.coco import CocoCaptions, CocoDataModule
 from datamodules.masks import CaptionMasks, PatchGeometry, composition_words
 from datamodules.transforms import CropResize
@@ -71,7 +72,7 @@ def test_unknown_rule_is_an_error():
     with pytest.raises(ValueError, match="first_bpe_match"):
         CaptionMasks([], TOKENIZER, 77, "first_match")
     with pytest.raises(ConfigError, match="comp_mask_rule"):
-        load_config([], ["data.comp_mask_rule=first_match"])
+        load_run_config([], ["data.comp_mask_rule=first_match"])
 
 
 def test_the_dataset_builds_comp_mask_with_the_configured_rule(tmp_path):
@@ -91,7 +92,7 @@ def test_the_dataset_builds_comp_mask_with_the_configured_rule(tmp_path):
 def test_the_datamodule_passes_the_configured_rule(monkeypatch):
     import datamodules.preprocess
 
-    cfg = load_config([Path(__file__).resolve().parents[1] / "configs" / "macco.yaml"],
+    cfg = load_run_config([Path(__file__).resolve().parents[1] / "configs" / "macco.yaml"],
                       ["data.comp_mask_rule=first_bpe_match"])
     monkeypatch.setattr(datamodules.preprocess, "mask_records", lambda data, prep, split: {})
     datamodule = CocoDataModule(cfg.data, TOKENIZER, None, None, preprocess=cfg.preprocess,
@@ -189,7 +190,7 @@ def test_the_dataset_clamps_a_box_outside_its_crop_onto_the_border(tmp_path):
 def test_the_datamodule_passes_the_box_rule_and_crop_sampling(monkeypatch, config, rule, box_aware):
     import datamodules.preprocess
 
-    cfg = load_config([Path(__file__).resolve().parents[1] / "configs" / config])
+    cfg = load_run_config([Path(__file__).resolve().parents[1] / "configs" / config])
     monkeypatch.setattr(datamodules.preprocess, "mask_records", lambda data, prep, split: {})
     datamodule = CocoDataModule(cfg.data, TOKENIZER, None, None, preprocess=cfg.preprocess,
                                 image_config={"size": 224, "mean": (0.5,) * 3, "std": (0.5,) * 3}, grid_size=7)

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from core.config import REPO_ROOT, load_config, save_config
+from core.config import REPO_ROOT, save_config
+from lightning_modules import METHODS, load_run_config
 from datamodules.shapes import caption_from_dict, generate, load_scene_graphs
-from lightning_modules import METHODS
 from lightning_modules.fit import run
 from lightning_modules.study.mechanisms import (MECHANISMS, MechanismError, SplitFiles, jaccard, jaccard_matrix,
                                                 load_run, macco_samples, measure, pair_means, relation_flip_captions,
@@ -38,7 +38,7 @@ def shapes_root(tmp_path_factory) -> Path:
 
 
 def tiny_config(shapes_root: Path, runs_root: Path, *overrides: str):
-    return load_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
+    return load_run_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
         f"model.name={TINY}", f"data.root={shapes_root}", f"runs_root={runs_root}", "data.batch_size=8",
         "data.num_workers=0", "trainer.enable_progress_bar=false", "optim.warmup_steps=1", "optim.lr=1e-3",
         "trainer.max_steps=2", "trainer.limit_val_batches=0", "data.masks=false", *overrides])

@@ -14,7 +14,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from core.config import REPO_ROOT, load_config
+from core.config import REPO_ROOT
+from lightning_modules import load_run_config
 from datamodules.shapes import SHAPES, generate
 from lightning_modules.attribution.library import (TextAttributionInputs, attribution_options, group_means,
                                                    text_attribution)
@@ -40,11 +41,11 @@ def shapes_root(tmp_path_factory) -> Path:
 
 
 def tiny_config(shapes_root: Path, runs_root: Path, *overrides: str):
-    return load_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
+    return load_run_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
         f"model.name={TINY}", f"data.root={shapes_root}", f"runs_root={runs_root}", "data.batch_size=8",
         "data.num_workers=0", "trainer.enable_progress_bar=false", "optim.warmup_steps=2", "optim.lr=1e-3",
         "trainer.log_every_n_steps=1", "data.masks=false", f"trainer.max_steps={STEPS}",
-        "trainer.limit_val_batches=0", "method.attribution.eclip_layers=2", *overrides])
+        "trainer.limit_val_batches=0", "monitor.attribution.eclip_layers=2", *overrides])
 
 
 def monitor_overrides() -> list:
@@ -135,7 +136,7 @@ def reference_scalars(module, cfg, method: str) -> dict:
     with torch.no_grad():
         image = F.normalize(encoders.encode_image(images).pooled, dim=-1)
     inputs = TextAttributionInputs(encoders, ids, image, encoders.encode_text(ids, attn=True))
-    a = text_attribution(method, inputs, attribution_options(cfg.method.attribution)).detach()
+    a = text_attribution(method, inputs, attribution_options(cfg.monitor.attribution)).detach()
     values = {name: group_means(a, mask)[0] for name, mask in (("obj", obj), ("comp", comp), ("attr", attr),
                                                                ("rel", rel))}
     valid = obj.any(1) & comp.any(1)

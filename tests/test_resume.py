@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_modules.fit import run
@@ -217,3 +218,20 @@ def test_rerunning_a_finished_run_writes_nothing(shapes_root, tmp_path, capfd, c
     trainer = run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=3", "trainer.limit_val_batches=0"))
     assert trainer.global_step == 3  # a longer run continues
     assert not [r for r in caplog.records if "initialized randomly" in r.getMessage()]
+
+
+def test_a_run_of_the_old_config_layout_is_refused_with_the_edits_that_convert_it(shapes_root, tmp_path):
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0"))
+    config = tmp_path / "demo_pretrain" / "config.yaml"
+    old = yaml.safe_load(config.read_text())
+    old["method"] = {"name": "clip_ft", "hard_negatives": True, "mlm_weight": 20.0, "hard_mask": True}
+    old["data"].update(num_hard_negatives=3, hard_negative_images=False)
+    config.write_text(yaml.safe_dump(old))
+    before = snapshot(tmp_path / "demo_pretrain")
+    with pytest.raises(ResumeConfigError) as error:
+        run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=2", "trainer.limit_val_batches=0"))
+    message = str(error.value)
+    assert "method.hard_negatives: {captions: 3, images: false}" in message
+    assert "delete the keys of other methods under method: hard_mask, mlm_weight" in message
+    assert "data.batch_size is now the global batch" in message and "resume=false" in message
+    assert snapshot(tmp_path / "demo_pretrain") == before

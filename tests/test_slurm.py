@@ -102,7 +102,7 @@ def grid_sweep(tmp_path: Path) -> Path:
     """A 2 x 2 x 2 grid (negatives x method x seed) with one combination excluded: 6 runs."""
     path = tmp_path / "grid.yaml"
     path.write_text(f"name: grid\nruns_root: {tmp_path / 'runs'}\ngrid:\n"
-                    "  negatives: {with: [data.num_hard_negatives=1], without: [data.num_hard_negatives=0]}\n"
+                    "  negatives: {with: [method.hard_negatives.captions=1], without: [method.hard_negatives.captions=0]}\n"
                     "  method: {ft: [method.name=clip_ft], tfl: [method.name=tflocal]}\n"
                     "  seed: [0, 1]\nexclude:\n  - {negatives: without, method: tfl}\n"
                     f"overrides: [data.root={data_root(tmp_path)}]\n")

@@ -18,7 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_fit import a_batch, shapes_root, tiny_config  # noqa: F401  (shapes_root is a fixture)
 
 import lightning_modules
-from core.config import REPO_ROOT, load_config
+from core.config import REPO_ROOT
+from lightning_modules import load_run_config
 from core.export import load_export
 from lightning_modules.base import total_loss
 from lightning_modules.fit import run
@@ -275,7 +276,7 @@ def test_mask_network_heads_and_initialisation_as_the_original():
 
 
 def smartclip_config(*overrides: str, files=()):
-    return load_config(files, ["model.name=ViT-Tiny-16-64", "method.name=smartclip", *overrides])
+    return load_run_config(files, ["model.name=ViT-Tiny-16-64", "method.name=smartclip", *overrides])
 
 
 @pytest.fixture(scope="module", params=["all", "caption"])
@@ -347,7 +348,7 @@ def test_hard_negatives_join_sidm_under_their_own_masks_in_training_only(positio
     equals the float64 reference; dism, sparsity, the mask report, validation and a run without the option are
     unchanged."""
     torch.manual_seed(0)
-    negclip = SmartCLIP(smartclip_config("method.hard_negatives=true", f"method.mask_positions={positions}")).train()
+    negclip = SmartCLIP(smartclip_config("method.hard_negatives.captions=2", f"method.mask_positions={positions}")).train()
     torch.manual_seed(0)
     plain_module = SmartCLIP(smartclip_config(f"method.mask_positions={positions}")).train()
     batch = {**hand_made_batch(negclip),
@@ -382,7 +383,7 @@ def test_hard_negatives_join_sidm_under_their_own_masks_in_training_only(positio
 
 def test_hard_negatives_reach_the_text_encoder_and_the_mask_network_through_sidm():
     torch.manual_seed(0)
-    negclip = SmartCLIP(smartclip_config("method.hard_negatives=true")).train()
+    negclip = SmartCLIP(smartclip_config("method.hard_negatives.captions=2")).train()
     batch = {**hand_made_batch(negclip),
              "neg_text": torch.stack([negclip.tokenizer(captions) for captions in HARD_CAPTIONS])}
     hard, hard_masks = negclip.hard_negatives_with_masks(batch)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tolerance import assert_scaled_close
 
-from core.config import REPO_ROOT, load_config
+from core.config import REPO_ROOT
+from lightning_modules import load_run_config
 from lightning_modules.base import total_loss
 from lightning_modules.methods.smartclip import MaskNetwork, mask_network_heads, mask_network_positions, modular_terms
 from lightning_modules.modular_losses import ModularContrastiveLoss, straight_through_mask
@@ -47,7 +48,7 @@ def fixture():
 @pytest.fixture(scope="module")
 def paper():
     """The method section of the paper config: which positions, which mask, weights and temperature."""
-    return load_config([REPO_ROOT / "configs" / "smartclip_long.yaml"]).method
+    return load_run_config([REPO_ROOT / "configs" / "smartclip_long.yaml"]).method
 
 
 def official_mask_network(fixture) -> MaskNetwork:

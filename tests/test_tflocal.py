@@ -39,7 +39,7 @@ KINDS = {"tflocal": TFLocal, "tfglobal": TFGlobal}
 
 def aligner_config(root: Path, tmp: Path, cache: Path, *overrides: str):
     return tiny_config(root, tmp, "method.name=tflocal", f"data.features_cache={cache}",
-                       f"data.num_hard_negatives={NEGATIVES}", *SMALL_ALIGNER, *overrides)
+                       f"method.hard_negatives.captions={NEGATIVES}", *SMALL_ALIGNER, *overrides)
 
 
 @pytest.fixture(scope="module")

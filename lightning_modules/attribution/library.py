@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# The options are the config schema's `method.attribution` section (fields and defaults documented there).
+# The options are the config schema's `method.attribution` (CLIP-CAE) and `monitor.attribution` sections (fields and defaults documented there).
 from core.config import AttributionConfig as AttributionOptions
 from core.encoders import AttentionTrace, CLIPEncoders, TextFeatures, run_block
 
@@ -49,7 +49,7 @@ OBJECT, ATTRIBUTE, RELATION = 1, 2, 3
 
 
 def attribution_options(section) -> AttributionOptions:
-    """Options from a config section (`method.attribution`) or any mapping with the same keys."""
+    """Options from a config section (`method.attribution`, `monitor.attribution`) or any mapping with the same keys."""
     keys = AttributionOptions.__dataclass_fields__
     values = {key: section[key] for key in keys if key in section}
     if values.get("layers") is not None:

@@ -181,7 +181,7 @@ def probe_replacements(probe: Probe, chunk: slice, ids: Tensor, word_ends: Optio
     measurement, so that the perturbation attribution changes with the weights only."""
     if vocabulary is None:
         raise ValueError("the monitor's perturbation with replacement=kind needs the training captions' "
-                         "replacement vocabulary (data.masks=true), or method.attribution.replacement=token")
+                         "replacement vocabulary (data.masks=true), or monitor.attribution.replacement=token")
     kinds = token_kinds(probe.obj_mask[chunk], probe.attr_mask[chunk], probe.rel_mask[chunk]).to(ids.device)
     seeds = [(PROBE_SEED, index) for index in range(len(probe))[chunk]]
     return draw_word_replacements(ids, word_ends, kinds, vocabulary, options.num_replacements, seeds)
@@ -295,7 +295,7 @@ class AttributionMonitor(L.Callback):
     Args:
         every_n_steps: measure after every N-th optimizer step (> 0).
         attributions: keys of `attribution.ATTRIBUTIONS`.
-        options: attribution options (`method.attribution`).
+        options: attribution options (`monitor.attribution`).
         probe_size: the first N pairs of the validation split form the probe.
         overlay_images: Grad-ECLIP overlays of the first K probe pairs (0 = none).
         parser: the scene-graph parser that finds object / attribute / relation words.
@@ -327,9 +327,9 @@ class AttributionMonitor(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         needs_vocabulary = any(uses_word_replacements(method, self.options) for method in self.attributions)
         if needs_vocabulary and replacement_vocabulary_of(module) is None:
-            raise ValueError("monitor.attributions has perturbation with method.attribution.replacement=kind, which "
+            raise ValueError("monitor.attributions has perturbation with monitor.attribution.replacement=kind, which "
                              "draws words from the training captions' vocabulary: set data.masks=true, or "
-                             "method.attribution.replacement=token")
+                             "monitor.attribution.replacement=token")
         if trainer.is_global_zero and self.probe is None:
             self.probe = build_probe(trainer.datamodule, module.tokenizer, self.probe_size, self.parser)
             self._word_ends = word_end_table(module.tokenizer, module.clip.token_embedding.num_embeddings)
@@ -396,5 +396,5 @@ def build_attribution_monitor(cfg: DictConfig) -> Optional[AttributionMonitor]:
         return None
     parser = SceneGraphParser(cfg.preprocess.parser_model, cfg.preprocess.parser_batch_size)
     return AttributionMonitor(monitor.every_n_steps, list(monitor.attributions),
-                              attribution_options(cfg.method.attribution), monitor.probe_size,
+                              attribution_options(cfg.monitor.attribution), monitor.probe_size,
                               monitor.overlay_images, parser)

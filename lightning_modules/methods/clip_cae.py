@@ -16,7 +16,7 @@ grad_eclip; `method.attribution`) over the object tokens (`obj_mask`) and the re
   K words of its kind from the training captions (`replacement_vocabulary`, from the DataModule at setup and
   stored in the checkpoint); the draws are seeded by (seed, epoch, caption id), so they do not depend on the
   batch composition, the rank or a resume.
-- [paper] CAE + NegCLIP (`method.hard_negatives: true`, `data.num_hard_negatives: K`) is the paper's own
+- [paper] CAE + NegCLIP (`method.hard_negatives.captions: K`) is the paper's own
   orthogonality result: the hard captions join L_itc exactly as in CLIP-FT (the base's shared
   `encode_hard_negatives`), training only; the attribution is of the samples' own captions.
 """

@@ -25,14 +25,14 @@ from lightning_modules.losses import ClipLoss
 class ClipFineTune(CompositionalCLIPModule):
     """`L_itc` over the global batch (METHODS.md, common contrastive loss).
 
-    With `method.hard_negatives`, each sample's `neg_text` captions [B, K, L] are encoded and appended as
+    With `method.hard_negatives.captions`, each sample's `neg_text` captions [B, K, L] are encoded and appended as
     extra image-to-text columns (NegCLIP); they are never anchors of the text-to-image direction. With
-    `data.hard_negative_images`, each sample's neighbour image and its own caption join as anchors (and its
+    `method.hard_negatives.images`, each sample's neighbour image and its own caption join as anchors (and its
     own `neg_image_neg_text` as columns). Both shape the training objective only: validation scores the plain
     contrastive loss of the samples themselves.
     """
 
-    # method.hard_negatives and data.hard_negative_images are accepted only by methods that use them
+    # method.hard_negatives.captions / .images are accepted only by methods that use them
     # (fit.check_inputs); the hard captions are encoded by the base's shared `encode_hard_negatives`.
     uses_hard_negatives = True
     uses_hard_negative_images = True
@@ -57,7 +57,7 @@ class ClipFineTune(CompositionalCLIPModule):
 
     def _contrastive_loss(self, batch: dict, image: Tensor, text: Tensor) -> Tensor:
         """L_itc of the samples' features `image`, `text` [B, D]; in training with NegCLIP's hard negatives."""
-        neighbours = self.training and self.cfg.data.hard_negative_images
+        neighbours = self.training and self.cfg.method.hard_negatives.images
         if neighbours:
             image = torch.cat([image, self._image_features(required_entry(batch, "neg_image"))])
             text = torch.cat([text, self._text_features(batch["neg_image_text"])])

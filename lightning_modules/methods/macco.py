@@ -28,7 +28,7 @@ token rule is ours in both (`data.comp_mask_rule=every_occurrence`: the exact ch
 composition word); the original's, where each word is BPE-encoded alone, "the" is skipped and only the
 first contiguous id match is masked, is `data.comp_mask_rule=first_bpe_match` (datamodules/masks.py).
 
-MACCO + NegCLIP (`method.hard_negatives: true` with `data.num_hard_negatives: K`; off in the paper configs).
+MACCO + NegCLIP (`method.hard_negatives.captions: K`; off in the paper configs).
 [paper] MACCO is orthogonal to hard-negative training: stacked on NegCLIP it still gains. The released code
 has no hard negatives, so the form is ours, NegCLIP's own as CLIP-FT applies it: in training only, each
 sample's K hard captions (`neg_text`, encoded by the base's shared `encode_hard_negatives`) are extra columns
@@ -226,7 +226,7 @@ class MaccoCLIP(CompositionalCLIPModule):
 
     Config: `method.{mca,mir,mlm,mim}_weight`, `method.{text,image}_predictor_depth`, `method.predictor_heads`,
     `method.key_padding_mask` (mask text keys after EOS in the image predictor [ours]; the original has none),
-    `method.hard_negatives` (NegCLIP's hard captions as extra image-to-text columns of `L_mca`, training only).
+    `method.hard_negatives.captions` (NegCLIP's hard captions as extra image-to-text columns of `L_mca`, training only).
     """
 
     uses_hard_negatives = True

@@ -24,8 +24,8 @@ what is ours:
   (`model.context_length`, `lightning_modules.long_context`) and a random sentence prefix of each ShareGPT4V
   caption (`data.train_caption_sentences: random_prefix`, `datamodules.coco`).
 
-SmartCLIP + NegCLIP [ours; SmartCLIP has no hard negatives], `method.hard_negatives: true` with
-`data.num_hard_negatives: K` (off in the paper configs): in training only, each sample's K hard captions go
+SmartCLIP + NegCLIP [ours; SmartCLIP has no hard negatives], `method.hard_negatives.captions: K` (off in the
+paper configs): in training only, each sample's K hard captions go
 through the same text forward and mask network as a caption and become extra columns of `sidm` (image i
 against every caption, each under its own mask), as NegCLIP appends them to CLIP's image-to-text logits; they
 are never anchors (`dism`, the caption's mask applied to every image, is unchanged) and the sparsity term and
@@ -164,8 +164,8 @@ class SmartCLIP(CompositionalCLIPModule):
 
     Config: method.modular_weight (10), method.sparsity_weight (2), method.modular_temperature (100),
     method.hard_mask (straight-through binary mask, else the sigmoid), method.mask_positions ("all" [official]
-    or "caption" [ours]), method.hard_negatives (NegCLIP's hard captions as extra sidm columns [ours]); the mask
-    network is the head group (optim.head_lr 1e-3, head_weight_decay 0, head_warmup_steps 0 in the SmartCLIP
+    or "caption" [ours]), method.hard_negatives.captions (NegCLIP's hard captions as extra sidm columns
+    [ours]); the mask network is the head group (optim.head_lr 1e-3, head_weight_decay 0, head_warmup_steps 0 in the SmartCLIP
     configs).
     """
 

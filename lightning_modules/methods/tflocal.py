@@ -28,7 +28,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import Tensor
 
 from core.encoders import CLIPEncoders
@@ -146,6 +146,8 @@ class AlignerModule(CompositionalCLIPModule):
     reads_cached_features = True
     # the aligners read no preprocessing-cache mask
     required_masks: Tuple[str, ...] = ()
+    # method.hard_negatives.captions: the aligner loss scores each sample's hard captions (from the batch)
+    uses_hard_negatives = True
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
@@ -156,8 +158,8 @@ class AlignerModule(CompositionalCLIPModule):
         m = cfg.method
         self.aligner = TokenAligner(self.clip.visual.output_dim, m.aligner_width, m.aligner_layers, m.aligner_heads,
                                     **self._positions(), score_bias=m.aligner_loss == "itm")
-        # Proposed config field (not yet in MethodConfig): score only n hardest in-batch partners per anchor.
-        self.in_batch_negatives = OmegaConf.select(cfg, "method.aligner_negatives", default=None)
+        # Score only the n hardest in-batch partners per anchor (null: every pair).
+        self.in_batch_negatives = m.aligner_negatives
         self.term_name, self.objective = ALIGNER_LOSSES[m.aligner_loss]
 
     def _positions(self) -> Dict[str, int]:

@@ -59,7 +59,8 @@ from omegaconf import DictConfig
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from core.config import load_config
+from core.config import per_device_batch_size
+from lightning_modules import load_run_config
 from core.encoders import CLIPEncoders, canonical_model_name
 from core.export import load_export, read_export_metadata
 from datamodules.shapes import OPPOSITE_RELATION, load_scene_graphs
@@ -119,7 +120,7 @@ def load_run(run_dir: Path) -> Run:
     config = Path(run_dir) / "config.yaml"
     if not config.is_file():
         raise MechanismError(f"run {run_dir}: no config.yaml (not a run directory of lightning_modules.fit)")
-    return Run(Path(run_dir), load_config([config], base=None))
+    return Run(Path(run_dir), load_run_config([config], base=None, saved=True))
 
 
 def rebuild_config(cfg: DictConfig) -> DictConfig:
@@ -329,7 +330,7 @@ def macco_reconstruction(run: Run, files: SplitFiles, limit: int, device: torch.
     cfg = split_config(run.cfg, files, limit)
     samples = macco_samples(module, cfg, files.split)
     partner = shuffled_partners([sample["image_id"] for sample in samples])
-    batch_size = cfg.data.val_batch_size or cfg.data.batch_size
+    batch_size = per_device_batch_size(cfg.data, validation=True)
     true, counts = mean_reconstruction(module, samples, batch_size, device)
     shuffled, _ = mean_reconstruction(module, with_partner_images(samples, partner), batch_size, device)
     counts = {"mlm_samples": counts["mlm_loss"], "mim_samples": counts["mim_loss"]}
