@@ -56,7 +56,7 @@ perf: setup
 gpu-check: setup
 	$(PY) -m perf.gpu --json runs/perf_gpu.json --md runs/perf_gpu.md
 
-# For a GPU machine that has no package registry and no spaCy (this workplace's lent GPU: python3 3.12 with torch,
+# For a GPU machine that has no package registry and no spaCy (e.g. a lent GPU whose python3 3.12 has torch,
 # lightning, timm, ... but not the packages below, and transformers 5, which GroundingDINO cannot use): wheels of
 # what it lacks and the training batch's caption records, into $(GPU_PREP)/ (git-ignored; carried to the machine).
 # pycocotools is groundingdino-py's own dependency (the wheels install with --no-deps); nothing of ours imports it.

@@ -47,7 +47,8 @@ class ModelConfig:
 
 @dataclass
 class AttributionConfig:
-    # Per-token text attribution (lightning_modules/attribution/library.py; METHODS.md, CLIP-CAE). Key of ATTRIBUTIONS:
+    # Per-token text attribution (lightning_modules/attribution/library.py; docs/methods.md#attribution-kinds).
+    # Key of ATTRIBUTIONS:
     # attention | gradcam | perturbation | gradient | grad_eclip.
     name: str = "attention"
     # attention: blocks averaged (null = all) and the head reduction ("mean" or "max").

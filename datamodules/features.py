@@ -80,7 +80,7 @@ def frozen_image_features(encoders, images: Tensor) -> Tuple[Tensor, Tensor]:
     """(tokens [B, 1 + P, D], global [B, D]) of a `CLIPEncoders`: the global embedding then the patches.
 
     For CLIP's token pooling the global embedding is exactly the projected CLS token, so the first row is
-    "CLS" in the aligner's [CLS; P] image token set (METHODS.md, TFLocal).
+    "CLS" in the aligner's [CLS; P] image token set (docs/methods.md#tflocal-and-tfglobal).
     """
     features = encoders.encode_image(images)
     return torch.cat([features.pooled[:, None], features.patches], dim=1), features.pooled

@@ -1,6 +1,6 @@
-"""Structure-Guided Inference (SGI): a training-free scorer on a frozen CLIP (METHODS.md, "TFLocal / TFGlobal
-aligners and SGI"; the crops of the predecessor paper, Miranda et al., "Adding simple structure at inference
-improves Vision-Language Compositionality", arXiv 2506.09691).
+"""Structure-Guided Inference (SGI): a training-free scorer on a frozen CLIP (docs/methods.md#sgi; the crops of
+the predecessor paper, Miranda et al., "Adding simple structure at inference improves Vision-Language
+Compositionality", arXiv 2506.09691).
 
 An image is cut into a multi-scale set of crops, each crop encoded on its own by the CLIP image encoder. A
 caption is cut into scene-graph segments (`parsers.scene_graph`): one per entity with its attributes ("red
@@ -94,8 +94,8 @@ DEFAULT_GRIDS = "paper"
 # How a crop becomes the model input: "stretch" [paper: resized to the input] or "pad" [ours: letterbox].
 RESIZE_MODES = ("stretch", "pad")
 DEFAULT_RESIZE = "stretch"
-# Default: the score as METHODS.md defines it (no global term), so the SGI number is the method's own and the
-# global mix is an explicit ablation (`--scorer-option global_weight=0.5`).
+# Default: the score as docs/methods.md#sgi defines it (no global term), so the SGI number is the method's own
+# and the global mix is an explicit ablation (`--scorer-option global_weight=0.5`).
 DEFAULT_GLOBAL_WEIGHT = 0.0
 # Elements of one [images, crops, segments] similarity block: bounds the memory of a retrieval-sized `score`.
 SIMILARITY_BLOCK = 1 << 24

@@ -122,7 +122,7 @@ def cae_attribution_loss(attr_obj: Tensor, attr_comp: Tensor, valid: Tensor, mar
         attr_obj: [B] mean attribution of each caption's object tokens.
         attr_comp: [B] mean attribution of its relation and attribute tokens.
         valid: [B] bool, captions with both object and composition tokens (the others do not enter the loss).
-        margin: eps of METHODS.md (default 0).
+        margin: eps of docs/methods.md#the-attribution-hinge (default 0).
 
     A batch without any valid caption gives 0, still connected to the graph (no NaN from an empty mean).
     """
@@ -167,7 +167,7 @@ def cae_batch_attribution_loss(attribution: Tensor, obj_mask: Tensor, comp_mask:
         return (hinge if present else hinge * 0.0), attr_obj, attr_comp
 
 
-# ----- MACCO-CLIP (METHODS.md, MACCO-CLIP) ------------------------------------------------------------------
+# ----- MACCO-CLIP (docs/methods.md#macco-losses) -----------------------------------------------------------
 def masked_contrastive_loss(images: Tensor, masked_images: Tensor, texts: Tensor, masked_texts: Tensor,
                             logit_scale: Tensor, neg_text_features: Optional[Tensor] = None) -> Tensor:
     """MACCO's `L_mca`: InfoNCE over [I; I~] x [T; T~] (2B x 2B) with labels [0..B-1, 0..B-1], both directions.

@@ -1,8 +1,9 @@
 """SmartCLIP's modular contrastive losses and its straight-through mask, plain torch (no Lightning).
 
-SmartCLIP (CVPR 2025; METHODS.md) scores image a against caption b only on the embedding dimensions that
-caption b's mask m_b keeps: `S[a, b] = tau <norm(x_a * m_b), t_b>`, with x the unnormalised image embeddings,
-t the L2-normalised text embeddings and a fixed temperature tau (100; CLIP's logit_scale is unused).
+SmartCLIP (CVPR 2025; docs/methods.md#modular-contrastive-loss) scores image a against caption b only on the
+embedding dimensions that caption b's mask m_b keeps: `S[a, b] = tau <norm(x_a * m_b), t_b>`, with x the
+unnormalised image embeddings, t the L2-normalised text embeddings and a fixed temperature tau (100; CLIP's
+logit_scale is unused).
 
 - `sidm_i = CE_j(S[i, j], i)`: image i against every caption j, each caption with its own mask;
 - `dism_i = CE_k(S[k, i], i)`: caption i's mask applied to every image k.
@@ -34,7 +35,8 @@ def straight_through_mask(logits: Tensor, hard: bool = True) -> Tensor:
     """The mask `m` from mask logits [B, D]: sigmoid, then (hard) a 0.5 threshold with straight-through gradient.
 
     The hard mask is binary in the forward pass and has the sigmoid's gradient in the backward pass
-    (`(soft >= 0.5) - soft.detach() + soft`, METHODS.md). With `hard=False` the sigmoid itself is the mask.
+    (`(soft >= 0.5) - soft.detach() + soft`, docs/methods.md#mask-network). With `hard=False` the sigmoid itself
+    is the mask.
     In fp32 under autocast too: the straight-through gradient is the sigmoid's, small where |logits| is large.
     """
     soft = torch.sigmoid(logits.float())

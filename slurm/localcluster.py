@@ -1,4 +1,4 @@
-"""A real single-node SLURM cluster on this machine, for tests: munged, slurmctld and slurmd in a folder.
+"""A real single-node SLURM cluster on the local host, for tests: munged, slurmctld and slurmd in a folder.
 
 Needs Debian's `slurm-wlm` and `munge` packages and root (the daemons run as root with their own key,
 sockets, ports, state and logs under the folder, so nothing system-wide is touched). Every daemon started is

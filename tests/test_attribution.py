@@ -1,4 +1,5 @@
-"""Text attributions and Grad-ECLIP image maps against slow references (METHODS.md: CLIP-CAE, Grad-ECLIP).
+"""Text attributions and Grad-ECLIP image maps against slow references (docs/methods.md#attribution-kinds,
+docs/methods.md#grad-eclip-explanations).
 
 The references run one caption (or image) at a time and recompute every attention head by hand from the
 blocks' `in_proj_weight` slices, with explicit Python loops over layers, heads, positions and words. They

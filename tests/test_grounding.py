@@ -508,7 +508,7 @@ def test_random_rectangle_is_one_accepted_rectangle(grid):
 
 
 def test_random_rectangle_shapes_on_seven_by_seven_and_other_ratios():
-    # r = round(36.75) = 37, tolerance 9.25: areas 28, 30, 35, 36, 42 (METHODS.md, MACCO-CLIP)
+    # r = round(36.75) = 37, tolerance 9.25: areas 28, 30, 35, 36, 42 (docs/methods.md#what-is-masked)
     assert sorted(h * w for h, w in rectangle_shapes(7)) == [28, 28, 30, 30, 35, 35, 36, 42, 42]
     assert set(rectangle_shapes(4, ratio=0.5)) == reference_shapes(4, ratio=0.5) == {
         (2, 3), (3, 2), (2, 4), (4, 2), (3, 3)}  # r = 8, tolerance max(1, 2) = 2: areas 6..10

@@ -33,7 +33,7 @@ BATCH, DIM, WORLD, NEGATIVES = 4, 6, 2, 2
 CAPTIONS = ["a red cube to the left of a blue ball", "a man riding a horse", "a dog", "a small green triangle"]
 
 
-# ----- the losses against their definition (METHODS.md), one anchor at a time ---------------------------------
+# ----- the losses against their definition (docs/methods.md#modular-contrastive-loss), one anchor at a time -----
 def reference_losses(images, texts, masks, tau, neg_texts=None, neg_masks=None):
     """sidm_i = CE_j(tau <norm(x_i m_j), t_j>, i); dism_i = CE_k(tau <norm(x_k m_i), t_i>, i). With NegCLIP's hard
     captions neg_texts [B, K, D] and their own masks: sidm's j also runs over all B * K of them after the B

@@ -83,7 +83,8 @@ def test_backbone_is_frozen_in_eval_mode_and_absent_from_the_optimizer(shapes_ro
 def test_parameter_count_at_the_default_width():
     aligner = TokenAligner(embed_dim=512, width=512, layers=4, heads=8, text_positions=77, image_positions=50)
     count = sum(p.numel() for p in aligner.parameters())
-    assert 12.5e6 < count < 14e6, count  # "~13M parameters, the reported size" (METHODS.md)
+    # "~13M parameters, the reported size" (docs/methods.md#tflocal-and-tfglobal)
+    assert 12.5e6 < count < 14e6, count
 
 
 def test_module_builds_the_configured_aligner(shapes_root, tmp_path):  # noqa: F811

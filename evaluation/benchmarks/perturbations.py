@@ -16,7 +16,7 @@ Deliberate differences from the reference:
   `nltk.word_tokenize` (Treebank rules), which can cut a few strings (quotes, some contractions) differently.
 - Randomness comes from an explicit numpy Generator per caption, seeded from `(seed, caption index)`, rather
   than from the global numpy and `random` state. The negatives are therefore reproducible here but are not
-  the reference's strings (which also change with the spaCy model version, BENCHMARKS.md pitfall 7).
+  the reference's strings (which also change with the spaCy model version, docs/evaluation.md#traps).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ Karpathy Flickr file (bare file names) and `<root>` otherwise (COCO paths carry 
 
 Captions are used raw (clip_benchmark's convention), stripped of surrounding whitespace. Option
 `pre_caption=True` applies BLIP's `pre_caption` instead (`aro.pre_caption`: lowercase, `.!"()*#:;~` to
-spaces, at most 30 words), as ARO's retrieval loaders do (BENCHMARKS.md pitfall 6: reproductions of COCO
+spaces, at most 30 words), as ARO's retrieval loaders do (docs/evaluation.md#traps: reproductions of COCO
 I2T R@5 differ by about 2 points between protocols).
 
 Scoring: every caption is a text-to-image query whose single correct image is its own; every image is an

@@ -306,7 +306,7 @@ BISCOR_FIELDS = {"image_0": str, "image_1": str, "caption_0": str, "caption_1": 
 class BiSCoRCtrl(TwoByTwoBenchmark):
     """BiSCoR-Ctrl (Miranda et al., arXiv 2604.11496): controlled CLEVR-like 2x2 items. NOT YET RELEASED.
 
-    The file format here is our assumption until the authors release the data (BENCHMARKS.md 2.8): a JSONL
+    The file format here is our assumption until the authors release the data (docs/evaluation.md#biscor-ctrl): a JSONL
     file of `{"image_0", "image_1", "caption_0", "caption_1", "category"}` (an optional "id"; otherwise the
     line's position), image paths relative to the images folder. All numbers are unverified.
 

@@ -9,9 +9,9 @@ file is a JSON list of `[relative_image_path, {"POS": [text, ...], "NEG": [text,
 
 Sampling follows `vl_checklist/evaluate.py` (ITC task): items whose image file is missing are dropped, then
 the first `MAX_NUM / 2` = 1,000 of the rest are kept (`MAX_NUM` is 2000 in every shipped config), in file
-order, with no shuffle. Which items are scored therefore depends on which images a lab has (BENCHMARKS.md
-pitfall 9), so the aggregates report, per (type, source), how many items were skipped for a missing image
-(`skipped_missing_image/...`) and how many had an image but fell beyond the cap (`beyond_cap/...`).
+order, with no shuffle. Which items are scored therefore depends on which images a lab has
+(docs/evaluation.md#traps), so the aggregates report, per (type, source), how many items were skipped for a
+missing image (`skipped_missing_image/...`) and how many had an image but fell beyond the cap (`beyond_cap/...`).
 
 Scoring: an item is correct iff cos(image, POS[0]) > cos(image, NEG[0]), strictly (the official code also
 counts a tie as incorrect). The official code compares entry [1] of a softmax over a *single* text, which the

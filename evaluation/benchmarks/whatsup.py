@@ -274,7 +274,7 @@ WHATSUP_BENCHMARKS = (WhatsUpA, WhatsUpB, WhatsUpCocoOne, WhatsUpCocoTwo, WhatsU
 # one- and two-object" (whatsup_vlms README): What'sUp's individual, pair and set accuracy are means of A and B;
 # COCO- and GQA-spatial accuracy are means of their one- and two-object sets. The per-set numbers are the
 # paper's Table 3. `whatsup_six_sets` is the mean accuracy of the 6 sets, the "What'sUp" number of vl_compo's
-# results (BENCHMARKS.md, section 3).
+# results (docs/evaluation.md#whatsup).
 WHATSUP_COMBINED = (
     CombinedAggregate("whatsup_ab", "What'sUp (Table 1): mean of subsets A and B, individual / pair / set accuracy "
                       "(%)", ("whatsup_a", "whatsup_b"), ("accuracy", "pair_accuracy", "set_accuracy")),

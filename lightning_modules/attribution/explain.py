@@ -6,10 +6,10 @@ image-text pairs.
     python -m lightning_modules.attribution.explain --model ViT-B-32 --pretrained openai --image cat.jpg \
         --text "a cat" --attribution gradcam --start-layer -4 --out cat.png
 
-One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overlaid (METHODS.md "Grad-ECLIP
-explanations"; `--heads` chooses the paper's single-head map or our multi-head variant) and a bar chart
-of the text attribution (`--attribution`, any of `attribution.ATTRIBUTIONS`, renormalised to sum 1 over the
-caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (same stem) and a table on stdout hold the
+One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overlaid
+(docs/methods.md#grad-eclip-explanations; `--heads` chooses the paper's single-head map or our multi-head variant)
+and a bar chart of the text attribution (`--attribution`, any of `attribution.ATTRIBUTIONS`, renormalised to sum 1
+over the caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (same stem) and a table on stdout hold the
 numbers.
 
 The model sees, by `--resize`: "aspect" (default, Grad-ECLIP's explanations): the whole image at its own size

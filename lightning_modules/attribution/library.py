@@ -1,4 +1,5 @@
-"""Per-token text attribution and Grad-ECLIP image maps for CLIP (METHODS.md: CLIP-CAE, Grad-ECLIP).
+"""Per-token text attribution and Grad-ECLIP image maps for CLIP (docs/methods.md#attribution-kinds,
+docs/methods.md#grad-eclip-explanations).
 
 Plain torch, no Lightning. Every text attribution returns `a` [B, L] for the positive pairs (image b,
 caption b), non-zero only on the content tokens 1..EOS-1 (SOT, EOS and padding are never attributed):

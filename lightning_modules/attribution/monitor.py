@@ -4,7 +4,7 @@ Every `monitor.every_n_steps` optimizer steps, on a probe set fixed for the run 
 validation captions and their images), each configured attribution method of `library.py` gives a
 per-token attribution a [N, L] of the positive pairs (image b, caption b). Per caption, A_obj / A_comp /
 A_attr / A_rel are the mean attribution over its object / composition / attribute / relation tokens, found
-by the scene-graph parser (METHODS.md, CLIP-CAE). Logged to TensorBoard at the global step:
+by the scene-graph parser (docs/methods.md#clip-cae). Logged to TensorBoard at the global step:
 
 - scalars `attr/<method>/{obj,comp,gap,attribute,relation}`; `gap` = mean A_comp - mean A_obj over the
   captions with both object and composition tokens (positive: composition words get more attribution);

@@ -1,4 +1,5 @@
-"""CLIP-CAE: contrastive fine-tuning plus composition attribution enhancement (EMNLP 2024; METHODS.md).
+"""CLIP-CAE: contrastive fine-tuning plus composition attribution enhancement (EMNLP 2024;
+docs/methods.md#clip-cae).
 
 `L = L_itc + lambda * L_attr`. For each positive pair (image b, caption b) a per-token attribution `a` of the
 similarity S(I, T) to the caption's tokens is computed (attention, gradcam, perturbation, gradient or

@@ -23,7 +23,7 @@ from lightning_modules.losses import ClipLoss
 
 
 class ClipFineTune(CompositionalCLIPModule):
-    """`L_itc` over the global batch (METHODS.md, common contrastive loss).
+    """`L_itc` over the global batch (docs/methods.md#clip-ft-and-negclip).
 
     With `method.hard_negatives.captions`, each sample's `neg_text` captions [B, K, L] are encoded and appended as
     extra image-to-text columns (NegCLIP); they are never anchors of the text-to-image direction. With

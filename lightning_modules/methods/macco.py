@@ -1,4 +1,5 @@
-"""MACCO-CLIP: masked composition concept modelling across text and image (ACL 2026; METHODS.md, MACCO-CLIP).
+"""MACCO-CLIP: masked composition concept modelling across text and image (ACL 2026;
+docs/methods.md#macco-clip).
 
 Every composition token of the caption (relation and attribute words, `comp_mask`) and the patches of one
 grounded phrase (`patch_mask`) are replaced by learnable mask tokens at the embedding level, before the
@@ -267,7 +268,8 @@ class MaccoCLIP(CompositionalCLIPModule):
 
     # ----- forward -----------------------------------------------------------------------------------------
     def macco_forward(self, batch: dict) -> MaccoOutputs:
-        """Both towers on full + masked copies, then both predictors (with METHODS.md's stop-gradients)."""
+        """Both towers on full + masked copies, then both predictors (with the stop-gradients of
+        docs/methods.md#forward-and-predictors)."""
         ids = batch["text"]
         text_mask = batch["comp_mask"].bool() & content_positions(ids)
         text, masked_text = self.encode_text_pair(ids, text_mask)
@@ -311,7 +313,7 @@ class MaccoCLIP(CompositionalCLIPModule):
 
     # ----- losses ------------------------------------------------------------------------------------------
     def raw_losses(self, out: MaccoOutputs, images: Tensor, negatives: Optional[Tensor] = None) -> Terms:
-        """The four unweighted terms (METHODS.md): L_mca, L_mir, L_mlm, L_mim.
+        """The four unweighted terms (docs/methods.md#macco-losses): L_mca, L_mir, L_mlm, L_mim.
 
         `negatives` [B, K, D]: L2-normalised hard captions, extra image-to-text columns of L_mca only.
         """

@@ -1,4 +1,5 @@
-"""SmartCLIP: text-conditioned binary masks over the image embedding's dimensions (CVPR 2025; METHODS.md).
+"""SmartCLIP: text-conditioned binary masks over the image embedding's dimensions (CVPR 2025;
+docs/methods.md#smartclip).
 
 A caption rarely describes everything in its image, so SmartCLIP aligns each caption only with the embedding
 dimensions it selects: a mask network reads the caption's per-token features and outputs a mask m over the D
@@ -74,7 +75,7 @@ def key_padding_attention_mask(valid: Tensor, heads: int) -> Tensor:
 
 
 class MaskNetwork(nn.Module):
-    """Per-token text features [B, L, width] -> mask logits [B, D] (METHODS.md, SmartCLIP).
+    """Per-token text features [B, L, width] -> mask logits [B, D] (docs/methods.md#mask-network).
 
     One CLIP residual attention block (QuickGELU), then attention pooling (a Linear(width, 1) score per
     position, softmax over positions, weighted sum), then a Linear to D only when width != D (OpenAI CLIPs have
@@ -160,7 +161,7 @@ def modular_terms(images: Tensor, texts: Tensor, masks: Tensor, modular: Modular
 
 
 class SmartCLIP(CompositionalCLIPModule):
-    """SmartCLIP's modular contrastive fine-tuning (METHODS.md): `10 (sidm + dism) + 2 mean|m|`.
+    """SmartCLIP's modular contrastive fine-tuning (docs/methods.md#smartclip): `10 (sidm + dism) + 2 mean|m|`.
 
     Config: method.modular_weight (10), method.sparsity_weight (2), method.modular_temperature (100),
     method.hard_mask (straight-through binary mask, else the sigmoid), method.mask_positions ("all" [official]
@@ -175,7 +176,8 @@ class SmartCLIP(CompositionalCLIPModule):
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
-        # The temperature is fixed (METHODS.md): logit_scale takes no part and stays out of the optimizer.
+        # The temperature is fixed (docs/methods.md#modular-contrastive-loss): logit_scale takes no part and stays
+        # out of the optimizer.
         self.clip.logit_scale.requires_grad_(False)
         width = self.encoders.text_width
         self.mask_net = MaskNetwork(width, mask_network_heads(width), self.clip.visual.output_dim)
@@ -184,7 +186,8 @@ class SmartCLIP(CompositionalCLIPModule):
 
     def compute_terms(self, batch: dict) -> Tuple[Terms, Terms]:
         m = self.cfg.method
-        images = self.encoders.encode_image(batch["image"]).pooled  # x: unnormalised (METHODS.md)
+        # x: unnormalised (docs/methods.md#modular-contrastive-loss)
+        images = self.encoders.encode_image(batch["image"]).pooled
         pooled, hidden, valid = self.encode_text_with_hidden(batch["text"])
         texts = F.normalize(pooled, dim=-1)
         masks = self.caption_masks(hidden, valid)

@@ -1,4 +1,5 @@
-"""TFLocal / TFGlobal: a small transformer aligner on a frozen CLIP ("Role of Inference"; METHODS.md).
+"""TFLocal / TFGlobal: a small transformer aligner on a frozen CLIP ("Role of Inference";
+docs/methods.md#tflocal-and-tfglobal).
 
 The CLIP backbone is frozen (no gradient, eval mode, outside the optimizer); its features are normally read
 from the offline cache (datamodules/features.py) so that training touches no image. The aligner scores one
@@ -151,8 +152,8 @@ class AlignerModule(CompositionalCLIPModule):
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
-        # METHODS.md: the backbone is frozen (no gradient, eval mode); base.param_groups then gives the
-        # optimizer only the aligner (the empty backbone groups are dropped there).
+        # docs/methods.md#tflocal-and-tfglobal: the backbone is frozen (no gradient, eval mode); base.param_groups
+        # then gives the optimizer only the aligner (the empty backbone groups are dropped there).
         self.encoders.requires_grad_(False)
         self.encoders.eval()
         m = cfg.method
@@ -235,13 +236,13 @@ class AlignerModule(CompositionalCLIPModule):
 
 
 class TFLocal(AlignerModule):
-    """The aligner over [CLS; text tokens; image tokens] (METHODS.md, TFLocal)."""
+    """The aligner over [CLS; text tokens; image tokens] (docs/methods.md#tflocal-and-tfglobal)."""
 
     kind = "local"
 
 
 class TFGlobal(AlignerModule):
-    """The same aligner over [CLS; text embedding; image embedding] (METHODS.md, TFGlobal)."""
+    """The same aligner over [CLS; text embedding; image embedding] (docs/methods.md#tflocal-and-tfglobal)."""
 
     kind = "global"
 

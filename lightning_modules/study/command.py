@@ -118,7 +118,7 @@ class FrozenRows:
 @dataclass(frozen=True)
 class ValiditySettings:
     """The testbed validity table: backbone exports (one per pretraining seed), the positive control cell and
-    the pass criteria (issue 15, deliverable 1; the defaults are the issue's numbers, in points)."""
+    the pass criteria (the defaults are the method study's criteria, in points: README "Method study")."""
 
     backbones: Tuple[Path, ...]
     control_method: str

@@ -1,4 +1,4 @@
-"""The testbed validity table of a study (issue 15, deliverable 1): can this testbed show a compositional gain?
+"""The testbed validity table of a study: can this testbed show a compositional gain?
 
 Set by `study.validity` in the sweep file (`lightning_modules.study`). Per reporting split it sets the pretrained
 backbones (the global cosine of each backbone export, one per pretraining seed) beside the positive control (a
