@@ -1,6 +1,6 @@
 """`python -m perf.position_probe [--model NAME] [--init EXPORT] [--steps N]`: can the vision tower learn where things are?
 
-The shapes-world testbed diagnosis (issue 15, README "Method study"). Relation direction ("the red square is left
+The shapes-world testbed diagnosis (README "Method study"). Relation direction ("the red square is left
 of the blue circle") needs an image embedding that binds each object's colour to its position. This probe asks
 whether the vision tower *can* learn that binding when it is told to, apart from contrastive learning: the tower
 plus a linear head is trained with cross-entropy on one binary label per image, "is the object whose colour comes
@@ -30,6 +30,7 @@ import open_clip
 import torch
 import torch.nn.functional as F
 
+from core.cli import add_output
 from datamodules.shapes import COLORS, Scene, draw_scene, sample_scene
 
 # CLIP's normalisation, as the open_clip models here expect.
@@ -149,7 +150,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, steps: int, eval_eve
     parser.add_argument("--eval-every", type=int, default=eval_every)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, help="also write the history as JSON here")
+    add_output(parser, "file", help="also write the history as JSON here")
 
 
 def run_probe(args: argparse.Namespace, train: Callable[[argparse.Namespace], List[dict]]) -> List[dict]:
