@@ -39,10 +39,10 @@ demo: setup $(SHAPES)/annotations/heldout.json
 	$(PY) -m lightning_modules.fit --config configs/demo/smartclip.yaml
 	$(PY) -m datamodules.features --config configs/demo/tflocal.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/tflocal.yaml
-	$(PY) -m lightning_modules.demo --data $(SHAPES) --out runs/demo_results.json \
-		--run pretrained=runs/demo_pretrain --run clip_ft=runs/demo_clip_ft --run cae_attention=runs/demo_cae \
-		--run macco=runs/demo_macco --run smartclip=runs/demo_smartclip --run tflocal=runs/demo_tflocal \
-		--run sgi_pretrained=runs/demo_pretrain@sgi
+	$(PY) -m lightning_modules.demo --data-root $(SHAPES) --out runs/demo_results.json \
+		runs.pretrained=runs/demo_pretrain runs.clip_ft=runs/demo_clip_ft runs.cae_attention=runs/demo_cae \
+		runs.macco=runs/demo_macco runs.smartclip=runs/demo_smartclip runs.tflocal=runs/demo_tflocal \
+		runs.sgi_pretrained=runs/demo_pretrain@sgi
 
 test: setup
 	$(PY) -m pytest -m "$(PYTEST_MARK)"
@@ -54,7 +54,7 @@ perf: setup
 
 # The GPU check (README, "GPU check"): one command on a machine with a CUDA GPU, at most 8 minutes.
 gpu-check: setup
-	$(PY) -m perf.gpu --json runs/perf_gpu.json --md runs/perf_gpu.md
+	$(PY) -m perf.gpu --out runs/perf_gpu
 
 # For a GPU machine that has no package registry and no spaCy (e.g. a lent GPU whose python3 3.12 has torch,
 # lightning, timm, ... but not the packages below, and transformers 5, which GroundingDINO cannot use): wheels of
@@ -70,7 +70,7 @@ gpu-prepare: setup
 	rm -rf $(GPU_PREP) && mkdir -p $(GPU_PREP)/whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORM) -d $(GPU_PREP)/whl $(GPU_WHEELS)
 	$(PY) -m pip wheel -q --no-deps -w $(GPU_PREP)/whl groundingdino-py==0.4.0
-	$(PY) -m perf.gpu --write-records $(GPU_PREP)/records.json
+	$(PY) -m perf.gpu --write-records --out $(GPU_PREP)/records.json
 
 # The controlled method study (README "Method study"): world, preprocessing cache, three backbones, the frozen
 # features of the aligner methods, the sweep of every method x condition x lr x seed, then the report. Every
@@ -92,7 +92,7 @@ clean-study:
 # The long study (README "Method study"): the same design in the testbed where relation direction is learnable
 # (one-way captions, fixed positions, 32 px), with the fine-tuning budget its positive control needs. About 3.5
 # hours on 2 cores: meant for a cluster or a GPU. STUDY_ONLY runs part of the grid, e.g. the positive control
-# and its counterpart without negatives: `make study-long STUDY_ONLY="--only method=clip_ft"` (the report then
+# and its counterpart without negatives: `make study-long STUDY_ONLY="only.method=clip_ft"` (the report then
 # lists the other runs as missing).
 STUDY_LONG := data/study_long
 STUDY_ONLY ?=

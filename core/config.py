@@ -231,7 +231,7 @@ class OptimConfig:
 class TrainerConfig:
     max_steps: int = -1
     max_epochs: int = 5
-    # "auto": bf16-mixed on GPUs, 32 on the CPU.
+    # Lightning's names (core.cli.PRECISIONS), or "auto": bf16-mixed on GPUs, 32-true on the CPU.
     precision: str = "auto"
     accelerator: str = "auto"
     devices: Any = "auto"

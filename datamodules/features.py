@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from core.cli import add_key_values
 from core.config import per_device_batch_size
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from datamodules.cache import (CacheError, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
@@ -389,7 +390,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="experiment YAML(s), as for fit")
     add_shard_argument(parser)
-    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. data.features_cache=/scratch/f")
+    add_key_values(parser, help="config overrides, e.g. data.features_cache=/scratch/f")
     # Options and overrides may interleave (`--config a.yaml k=v --config b.yaml k2=v2`); every --config file
     # still merges before every override, each in the order given.
     return parser.parse_intermixed_args(argv)

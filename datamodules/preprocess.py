@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from tqdm import tqdm
 
+from core.cli import add_key_values
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from datamodules.cache import (COUNT_KEYS, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
                               open_cache, resolve_device, shard_count)
@@ -315,7 +316,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="experiment YAML(s), as for fit")
     add_shard_argument(parser)
-    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. preprocess.grounder=none")
+    add_key_values(parser, help="config overrides, e.g. preprocess.grounder=none")
     # Options and overrides may interleave (`--config a.yaml k=v --config b.yaml k2=v2`); every --config file
     # still merges before every override, each in the order given.
     return parser.parse_intermixed_args(argv)

@@ -22,6 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from core.cli import check_precision
 from core.encoders import CLIPEncoders, build_model
 from core.export import WEIGHTS_FILE, load_export
 from core.files import atomic_write_bytes, atomic_write_text
@@ -184,7 +185,7 @@ class AlignerScorer(Scorer):
     """
 
     def __init__(self, model: nn.Module, aligner: TokenAligner, kind: str, tokenizer: Callable, preprocess: Callable,
-                 device: str = "cpu", precision: str = "fp32", batch_size: int = 256, pair_batch: int = 2048,
+                 device: str = "cpu", precision: str = "32-true", batch_size: int = 256, pair_batch: int = 2048,
                  rerank_k: Optional[int] = None, num_workers: int = 0, metadata: Optional[dict] = None):
         if rerank_k is not None and rerank_k < 1:
             raise ValueError(f"rerank_k must be positive or None, got {rerank_k}")
@@ -193,7 +194,8 @@ class AlignerScorer(Scorer):
         self.aligner = aligner.to(self.device).eval()
         self.kind, self.tokenizer, self.preprocess = kind, tokenizer, preprocess
         self.token_keys = TokenKeys(tokenizer)
-        self.precision, self.batch_size, self.pair_batch = precision, batch_size, pair_batch
+        self.precision = check_precision(precision, tuple(PRECISIONS))
+        self.batch_size, self.pair_batch = batch_size, pair_batch
         self.rerank_k, self.num_workers = rerank_k, num_workers
         self.metadata = dict(metadata or {})
         self.image_tokens, self.image_global, self.text_global = EmbeddingTable(), EmbeddingTable(), EmbeddingTable()

@@ -2,16 +2,17 @@
 
 Examples:
     python -m evaluation.evaluate --run runs/negclip --benchmarks sugarcrepe,aro_vg_relation \
-        --data-root /data/benchmarks --set sugarcrepe.images=/data/coco/val2017
+        --data-root /data/benchmarks options.sugarcrepe.images=/data/coco/val2017
     python -m evaluation.evaluate --model ViT-B-32 --pretrained openai --all --data-root /data/benchmarks
     python -m evaluation.evaluate --list
-    python -m evaluation.evaluate --run runs/negclip --scorer sgi --scorer-option global_weight=0.5 \
+    python -m evaluation.evaluate --run runs/negclip --scorer sgi scorer.global_weight=0.5 \
         --benchmarks sugarcrepe --data-root /data/benchmarks
 
-Each benchmark reads `<data-root>/<name>/` unless `--root NAME=DIR` says otherwise; `--set NAME.OPTION=VALUE`
-passes a constructor option (image folders, splits). `--scorer` picks how a model scores an image and a text
-(`clip`: global cosine, the default; `sgi`: structure-guided inference), `--scorer-option KEY=VALUE` sets one
-of its options (sgi: `grids=paper|paper_overlap|ours18|<spec>`, `resize=stretch|pad`, `global_weight=W`). A
+Each benchmark reads `<data-root>/<name>/` unless `roots.NAME=DIR` says otherwise; `options.NAME.OPTION=VALUE`
+passes a constructor option (image folders, splits); both are the keys of a training config's `evaluation:`
+section. `--scorer` picks how a model scores an image and a text (`clip`: global cosine, the default; `sgi`:
+structure-guided inference), `scorer.OPTION=VALUE` sets one of its options (sgi:
+`grids=paper|paper_overlap|ours18|<spec>`, `resize=stretch|pad`, `global_weight=W`). Values are read as YAML. A
 scorer that is not the global cosine (sgi) is followed by the global cosine of the same model on the same
 benchmarks, timed only (fresh caches, outcomes not written): the seconds per item of both go into the metadata
 (`cost_vs_global_cosine`) and the printout, unless `--no-cost-comparison`. Results go to `--out` (default
@@ -45,6 +46,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 import yaml
 
+from core.cli import (add_data_root, add_key_values, add_output, add_precision, key_value_sections,
+                      refuse_renamed)
 from evaluation.aligner import AlignerScorer, is_aligner_export
 from evaluation.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
 from evaluation.benchmarks.base import Benchmark
@@ -68,6 +71,15 @@ SCORERS: Dict[str, Type[Scorer]] = {
 DEFAULT_SCORER = "clip"
 
 
+# The key=value settings of evaluate (the leakage guard takes the first two).
+BENCHMARK_SETTINGS = {"roots": "roots.NAME=DIR", "options": "options.NAME.OPTION=VALUE"}
+SCORER_SETTINGS = {"scorer": "scorer.OPTION=VALUE"}
+# Spellings these commands no longer take, and what to write instead.
+RENAMED_BENCHMARK_FLAGS = {"--root": "roots.NAME=DIR (a key=value argument)",
+                           "--set": "options.NAME.OPTION=VALUE (a key=value argument)"}
+RENAMED_SCORER_FLAGS = {"--scorer-option": "scorer.OPTION=VALUE (a key=value argument)"}
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -77,58 +89,62 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--pretrained", help="open_clip pretrained tag or checkpoint path")
     parser.add_argument("--scorer", default=DEFAULT_SCORER, choices=list(SCORERS),
                         help=f"how an image and a text are scored (default {DEFAULT_SCORER})")
-    parser.add_argument("--scorer-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a scorer option, value parsed as YAML (sgi: grids=paper|paper_overlap|ours18|"
-                             "1,2,3,halves, resize=stretch|pad, global_weight=0.5)")
     parser.add_argument("--no-cost-comparison", action="store_true",
                         help="do not time the global cosine of the same model beside a non-clip scorer")
     add_benchmark_arguments(parser)
-    parser.add_argument("--out", type=Path, help="results folder")
-    parser.add_argument("--tensorboard", type=Path, nargs="?", const=True, default=None,
+    add_key_values(parser, dest="settings", help="roots.NAME=DIR (one benchmark's folder), "
+                   "options.NAME.OPTION=VALUE (a benchmark constructor option), scorer.OPTION=VALUE (sgi: "
+                   "grids=paper|paper_overlap|ours18|1,2,3,halves, resize=stretch|pad, global_weight=0.5); "
+                   "values read as YAML")
+    add_output(parser, "folder", help="results folder (default <run>/eval, or eval/<model>-<pretrained>)")
+    parser.add_argument("--tensorboard", type=tensorboard_argument, nargs="?", const=True, default=None,
                         help="also log the aggregates as TensorBoard scalars at the export's training step; prints "
                              "the folder (default: <run>/tb/eval)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
+    add_precision(parser, list(PRECISIONS), default="32-true")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and the files each expects")
     parser.add_argument("--reaggregate", type=Path, metavar="DIR",
                         help="recompute aggregates from a results folder's per-item outcomes and print them")
-    return parser.parse_args(argv)
+    refuse_renamed(parser, {**RENAMED_BENCHMARK_FLAGS, **RENAMED_SCORER_FLAGS})
+    args = parser.parse_intermixed_args(argv)
+    settings = key_value_sections(parser, args.settings, {**BENCHMARK_SETTINGS, **SCORER_SETTINGS})
+    args.roots, args.options = benchmark_settings(settings)
+    args.scorer_options = {key: yaml.safe_load(value) for key, value in settings["scorer"].items()}
+    return args
+
+
+def tensorboard_argument(value: str) -> Path:
+    """--tensorboard's optional folder: a key=value argument after a bare --tensorboard is not one."""
+    if "=" in value:
+        raise argparse.ArgumentTypeError(f"{value!r} is a key=value argument, not a folder: put it before "
+                                         f"--tensorboard, or give --tensorboard a folder")
+    return Path(value)
 
 
 def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark-selection flags shared with the leakage guard."""
+    """The benchmark-selection flags shared with the leakage guard (with `BENCHMARK_SETTINGS` as key=value
+    arguments, read by `benchmark_settings`)."""
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--benchmarks", help="comma-separated registry names")
     chosen.add_argument("--all", action="store_true", help="every benchmark whose files are present")
-    parser.add_argument("--data-root", type=Path, help="folder holding one sub-folder per benchmark")
-    parser.add_argument("--root", action="append", default=[], metavar="NAME=DIR", help="one benchmark's root")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME.OPTION=VALUE",
-                        help="a benchmark constructor option (value parsed as YAML)")
+    add_data_root(parser, help="folder holding one sub-folder per benchmark (default data/benchmarks)")
 
 
-def parse_pairs(specs: Sequence[str], flag: str) -> Dict[str, str]:
-    pairs = {}
-    for spec in specs:
-        key, sep, value = spec.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"{flag} expects KEY=VALUE, got {spec!r}")
-        pairs[key] = value
-    return pairs
-
-
-def parse_options(specs: Sequence[str]) -> Dict[str, Dict[str, object]]:
-    """`--set sugarcrepe.images=/coco/val2017` -> {"sugarcrepe": {"images": "/coco/val2017"}}."""
+def benchmark_settings(settings: Dict[str, Dict[str, str]]) -> Tuple[Dict[str, Path], Dict[str, Dict[str, object]]]:
+    """`roots.sugarcrepe=/data/sc options.sugarcrepe.images=/coco/val2017` -> ({"sugarcrepe": Path("/data/sc")},
+    {"sugarcrepe": {"images": "/coco/val2017"}}), option values read as YAML; unknown benchmarks end the program."""
+    roots = {name: Path(value) for name, value in settings["roots"].items()}
     options: Dict[str, Dict[str, object]] = {}
-    for key, value in parse_pairs(specs, "--set").items():
+    for key, value in settings["options"].items():
         name, dot, option = key.partition(".")
-        if not dot:
-            raise SystemExit(f"--set expects NAME.OPTION=VALUE, got {key!r}")
-        check_names([name])
+        if not dot or not option:
+            raise SystemExit(f"options.{key}={value}: expected options.NAME.OPTION=VALUE")
         options.setdefault(name, {})[option] = yaml.safe_load(value)
-    return options
+    check_names(list(roots) + list(options))
+    return roots, options
 
 
 def check_names(names: Sequence[str]) -> None:
@@ -150,9 +166,8 @@ def list_benchmarks() -> str:
     return "\n".join(lines)
 
 
-def scorer_options(scorer: str, specs: Sequence[str]) -> Dict[str, object]:
-    """`--scorer-option global_weight=0.5` -> {"global_weight": 0.5}, checked against the scorer's OPTIONS."""
-    options = {key: yaml.safe_load(value) for key, value in parse_pairs(specs, "--scorer-option").items()}
+def scorer_options(scorer: str, options: Dict[str, object]) -> Dict[str, object]:
+    """The `scorer.OPTION=VALUE` settings ({"global_weight": 0.5}), checked against the scorer's OPTIONS."""
     accepted = getattr(SCORERS[scorer], "OPTIONS", ())
     unknown = sorted(set(options) - set(accepted))
     if unknown:
@@ -164,7 +179,7 @@ def scorer_options(scorer: str, specs: Sequence[str]) -> Dict[str, object]:
 def build_scorer(args: argparse.Namespace) -> Scorer:
     scorer_class = SCORERS[args.scorer]
     kwargs = dict(device=args.device, precision=args.precision, batch_size=args.batch_size,
-                  num_workers=args.num_workers, **scorer_options(args.scorer, args.scorer_option))
+                  num_workers=args.num_workers, **scorer_options(args.scorer, args.scorer_options))
     if args.run and args.scorer == DEFAULT_SCORER and is_aligner_export(args.run / "export"):
         # a TFLocal / TFGlobal run: its aligner re-ranks the frozen CLIP (method.rerank_k of the run)
         return AlignerScorer.from_export(args.run / "export", **kwargs)
@@ -208,9 +223,7 @@ def tensorboard_dir(args: argparse.Namespace, out: Path) -> Path:
 
 
 def select_benchmarks(args: argparse.Namespace):
-    roots = default_roots(args.data_root, {k: Path(v) for k, v in parse_pairs(args.root, "--root").items()})
-    check_names(list(parse_pairs(args.root, "--root")))
-    options = parse_options(args.set)
+    roots, options = default_roots(args.data_root, args.roots), args.options
     if args.all:
         built, skipped = available_benchmarks(roots, options)
         for message in skipped:

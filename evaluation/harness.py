@@ -79,7 +79,8 @@ def check_images(benchmark: Benchmark) -> None:
         shown = ", ".join(missing[:NAMES_IN_ERROR])
         raise MissingBenchmarkData(f"{benchmark.name}: {len(missing)} image files are missing under "
                                    f"{Path(missing[0]).parent} (e.g. {shown}); point the benchmark's images "
-                                   f"option at the right folder (--set {benchmark.name}.images=DIR)")
+                                   f"option at the right folder (options.{benchmark.name}.images=DIR; "
+                                   f"evaluation.options.{benchmark.name}.images in a training config)")
     empty = sorted(path for path in {ref.path for ref in refs} if Path(path).stat().st_size == 0)
     if empty:
         shown = ", ".join(empty[:NAMES_IN_ERROR])

@@ -4,8 +4,9 @@ COCO train2017 = train2014 + val2014 - val2017, so it holds most of the Karpathy
 COCO-Order); Karpathy train+restval can hold val2017 images (SugarCrepe, BiVLC, What'sUp COCO-spatial, VALSE
 plurals/relations). COCO ids are shared between the 2014 and 2017 releases, so the overlap is an
 intersection of ids. The guard reads the training annotations of a config (or `--train FILE`), intersects
-them with each benchmark's COCO image ids, prints the overlap, and can write the union of benchmark ids as a
-`data.exclude_image_ids` file, so that a retrain is disjoint from the evaluation sets by construction. A
+them with each benchmark's COCO image ids, prints the overlap, and with `--out DIR` writes the overlap report
+(`DIR/overlap_report.json`) and the union of benchmark ids as a `data.exclude_image_ids` file
+(`DIR/exclude_image_ids.json`), so that a retrain is disjoint from the evaluation sets by construction. A
 config's training set is what the run reads: the first `data.max_train_samples` records, less
 `data.exclude_image_ids`. Training images count by the benchmarks' rule: files named as COCO names them.
 
@@ -35,7 +36,7 @@ to start on any overlap unless `evaluation.allow_train_overlap=true`; it logs wh
 
 Example:
     python -m evaluation.leakage --config configs/negclip.yaml --benchmarks coco_retrieval,sugarcrepe \
-        --data-root /data/benchmarks --write-exclusions data/eval_image_ids.json --fail-on-overlap
+        --data-root /data/benchmarks --out data/leakage --fail-on-overlap
     python -m evaluation.leakage --config configs/negclip.yaml --all --data-root /data/benchmarks \
         --vg-image-data /data/visual_genome/image_data.json --hash-images --hash-cache runs/image_hashes.json
 """
@@ -53,16 +54,21 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set
 
 from tqdm import tqdm
 
+from core.cli import add_key_values, add_output, key_value_sections, refuse_renamed
 from core.config import load_config_or_exit
 from core.files import atomic_write_text
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from datamodules.coco import read_image_ids
 from evaluation.benchmarks import Benchmark
 from evaluation.benchmarks.base import COCO, GENERATED, VISUAL_GENOME, ImageRef, coco_id_from_name
-from evaluation.evaluate import add_benchmark_arguments, select_benchmarks
+from evaluation.evaluate import (BENCHMARK_SETTINGS, RENAMED_BENCHMARK_FLAGS, add_benchmark_arguments,
+                                 benchmark_settings, select_benchmarks)
 
 log = logging.getLogger(__name__)
 
+# What `--out DIR` holds.
+REPORT_FILE = "overlap_report.json"
+EXCLUSIONS_FILE = "exclude_image_ids.json"
 VG_MAP_HELP = ("Visual Genome's image_data.json (records with image_id or id, and coco_id), or a JSON object "
                "{\"<vg id>\": coco_id}")
 
@@ -75,6 +81,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     source.add_argument("--train", action="append", type=Path, help="a training annotation file (repeatable)")
     parser.add_argument("--karpathy-splits", default="train,restval", help="splits read from a Karpathy --train")
     add_benchmark_arguments(parser)
+    add_key_values(parser, dest="settings", help="roots.NAME=DIR (one benchmark's folder), options.NAME.OPTION=VALUE "
+                   "(a benchmark constructor option, read as YAML), as for evaluate")
     parser.add_argument("--vg-image-data", type=Path, metavar="FILE",
                         help=f"map Visual Genome images to COCO ids: {VG_MAP_HELP}; without it they are not checked")
     parser.add_argument("--hash-images", action="store_true",
@@ -84,10 +92,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="the folder --train file names are relative to (needed by --hash-images with --train)")
     parser.add_argument("--hash-cache", type=Path, metavar="FILE",
                         help="JSON cache of image digests by path, size and mtime, read and updated")
-    parser.add_argument("--write-exclusions", type=Path, help="write the benchmarks' COCO ids (JSON list) here")
-    parser.add_argument("--report", type=Path, help="write the overlap report as JSON here")
+    add_output(parser, "folder", help=f"write the overlap report ({REPORT_FILE}) and the benchmarks' COCO ids as "
+               f"a data.exclude_image_ids file ({EXCLUSIONS_FILE}) into this folder")
     parser.add_argument("--fail-on-overlap", action="store_true", help="exit with status 1 on any overlap")
-    return parser.parse_args(argv)
+    refuse_renamed(parser, {**RENAMED_BENCHMARK_FLAGS,
+                            "--write-exclusions": f"--out DIR (writes DIR/{EXCLUSIONS_FILE})",
+                            "--report": f"--out DIR (writes DIR/{REPORT_FILE})"})
+    args = parser.parse_intermixed_args(argv)
+    args.roots, args.options = benchmark_settings(key_value_sections(parser, args.settings, BENCHMARK_SETTINGS))
+    return args
 
 
 class TrainingOverlapError(ValueError):
@@ -386,8 +399,8 @@ def check_training_overlap(train_ids: Set[int], benchmarks: Mapping[str, Benchma
         return report
     raise TrainingOverlapError(
         f"{message}. Train on data without them (the Karpathy train + restval split of dataset_coco.json, or "
-        f"data.exclude_image_ids=FILE written by python -m evaluation.leakage --config ... "
-        f"--write-exclusions FILE), drop those benchmarks from evaluation.benchmarks, or set "
+        f"data.exclude_image_ids=DIR/{EXCLUSIONS_FILE} written by python -m evaluation.leakage --config ... "
+        f"--out DIR), drop those benchmarks from evaluation.benchmarks, or set "
         f"evaluation.allow_train_overlap=true to train anyway")
 
 
@@ -406,6 +419,19 @@ def shared_images(train_ids: Set[int], benchmarks: Mapping[str, Benchmark],
                   vg_to_coco: Optional[Mapping[int, Optional[int]]] = None) -> Set[int]:
     """The distinct training images that are COCO images of any of the benchmarks (named, or mapped from VG)."""
     return set().union(*(benchmark_coco_ids(image_census(b), vg_to_coco) & train_ids for b in benchmarks.values()))
+
+
+def write_outputs(out: Path, report: Mapping[str, Mapping[str, object]], benchmarks: Mapping[str, Benchmark],
+                  vg_to_coco: Optional[Mapping[int, Optional[int]]]) -> None:
+    """`out/REPORT_FILE` and `out/EXCLUSIONS_FILE`: every benchmark COCO id (named, mapped from VG, or a training
+    image whose bytes a benchmark image has)."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / REPORT_FILE, json.dumps(report, indent=2))
+    excluded = set().union(*(benchmark_coco_ids(image_census(b), vg_to_coco) for b in benchmarks.values()))
+    excluded |= {i for row in report.values() for i in row.get("content_training_ids", [])}
+    atomic_write_text(out / EXCLUSIONS_FILE, json.dumps(sorted(excluded)))
+    print(f"wrote the overlap report to {out / REPORT_FILE} and {len(excluded)} evaluation image ids to "
+          f"{out / EXCLUSIONS_FILE} (use data.exclude_image_ids={out / EXCLUSIONS_FILE})")
 
 
 # ----- the command ----------------------------------------------------------------------------------------------
@@ -436,14 +462,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, object]]:
     if hashes is not None:
         hashes.save()
     print(format_report(report, len(train_ids), args.vg_image_data, args.hash_images))
-    if args.report:
-        atomic_write_text(args.report, json.dumps(report, indent=2))
-    if args.write_exclusions:
-        excluded = set().union(*(benchmark_coco_ids(image_census(b), vg_to_coco) for b in benchmarks.values()))
-        excluded |= {i for row in report.values() for i in row.get("content_training_ids", [])}
-        atomic_write_text(args.write_exclusions, json.dumps(sorted(excluded)))
-        print(f"wrote {len(excluded)} evaluation image ids to {args.write_exclusions} "
-              f"(use data.exclude_image_ids={args.write_exclusions})")
+    if args.out:
+        write_outputs(args.out, report, benchmarks, vg_to_coco)
     if args.fail_on_overlap and any(has_overlap(row) for row in report.values()):
         sys.exit(1)
     return report

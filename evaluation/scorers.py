@@ -28,12 +28,14 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from core.cli import AUTOCAST, autocast_dtype, check_precision
 from evaluation.benchmarks.base import ImageRef, Scorer, unique
 from evaluation.benchmarks.images import load_image
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Lightning's precision names a scorer implements -> the dtype it autocasts to (None: float32).
+PRECISIONS = {name: autocast_dtype(name) for name in AUTOCAST}
 
 
 class FunctionScorer(Scorer):
@@ -177,16 +179,15 @@ class ClipScorer(EmbeddingScorer):
         preprocess: the validation image transform.
         trim_text: run the text tower only up to each batch's last EOS, batches of texts sorted by length
             (exact for a causal, EOS-pooled CLIP text tower; ignored for any other text tower).
-        precision: "fp32" (default; the published open_clip numbers), "bf16" or "fp16" autocast.
+        precision: "32-true" (default; the published open_clip numbers), "bf16-mixed" or "16-mixed" (autocast).
         num_workers: image-decoding processes.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Callable, preprocess: Callable, device: str = "cpu",
-                 precision: str = "fp32", batch_size: int = 256, num_workers: int = 0,
+                 precision: str = "32-true", batch_size: int = 256, num_workers: int = 0,
                  metadata: Optional[Dict[str, object]] = None, trim_text: bool = True):
         super().__init__(batch_size)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        check_precision(precision, tuple(PRECISIONS))
         self.device, self.precision, self.num_workers = torch.device(device), precision, num_workers
         self.model = model.to(self.device).eval()  # the inputs go to `device`, so the weights must be there too
         self.trimmed_text = _trimmable_text_tower(self.model) if trim_text else None

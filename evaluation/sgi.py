@@ -95,7 +95,7 @@ DEFAULT_GRIDS = "paper"
 RESIZE_MODES = ("stretch", "pad")
 DEFAULT_RESIZE = "stretch"
 # Default: the score as docs/methods.md#sgi defines it (no global term), so the SGI number is the method's own
-# and the global mix is an explicit ablation (`--scorer-option global_weight=0.5`).
+# and the global mix is an explicit ablation (`scorer.global_weight=0.5`).
 DEFAULT_GLOBAL_WEIGHT = 0.0
 # Elements of one [images, crops, segments] similarity block: bounds the memory of a retrieval-sized `score`.
 SIMILARITY_BLOCK = 1 << 24
@@ -300,7 +300,7 @@ class SGIScorer(Scorer):
         parser: the scene-graph parser (default `SceneGraphParser()`, loaded on first use).
     """
 
-    OPTIONS = ("grids", "global_weight", "resize")  # what `--scorer-option KEY=VALUE` may set
+    OPTIONS = ("grids", "global_weight", "resize")  # what `scorer.OPTION=VALUE` may set
 
     def __init__(self, clip: ClipScorer, grids: Union[str, Sequence] = DEFAULT_GRIDS,
                  global_weight: float = DEFAULT_GLOBAL_WEIGHT, resize: str = DEFAULT_RESIZE,

@@ -211,7 +211,7 @@ class BenchmarkEvaluation(L.Callback):
         trainer.strategy.barrier("benchmark_evaluation")
 
     def _evaluate(self, module: L.LightningModule) -> list:
-        precision = "bf16" if module.device.type == "cuda" else "fp32"
+        precision = "bf16-mixed" if module.device.type == "cuda" else "32-true"
         with eval_mode(module):
             if hasattr(module, "benchmark_scorer"):  # a method that scores differently (the aligners)
                 scorer = module.benchmark_scorer(str(module.device), precision, self.batch_size)

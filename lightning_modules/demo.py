@@ -1,4 +1,4 @@
-"""`python -m lightning_modules.demo --data DIR --run LABEL=RUN_DIR ...`: the demo's results table.
+"""`python -m lightning_modules.demo --data-root DIR runs.LABEL=RUN_DIR ...`: the demo's results table.
 
 The shapes world is scored with the evaluation harness: the swap set (`shapes_swap`) and image-text
 retrieval over the validation captions (`coco_retrieval` reading the shapes world's COCO-format JSON); the
@@ -14,6 +14,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from core.cli import add_data_root, add_key_values, add_output, key_value_sections, refuse_renamed
 from core.encoders import CLIPEncoders
 from evaluation.aligner import AlignerScorer, is_aligner_export
 from evaluation.benchmarks.base import ImageRef
@@ -34,26 +35,29 @@ COLUMNS = [("text", "swap text"), ("image", "swap image"), ("group", "swap group
 # Validation captions of the attribution-gap probe (the attention attribution, as CAE's demo trains it).
 PROBE_SIZE = 200
 STUDY_REPORT = "runs/study/sweep/report"
+ROW_SETTINGS = {"runs": "runs.LABEL=RUN_DIR[@SCORER]"}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, type=Path, help="shapes world root")
-    parser.add_argument("--run", action="append", required=True,
-                        help="LABEL=RUN_DIR or LABEL=RUN_DIR@SCORER (e.g. @sgi; repeatable). Aligner runs "
-                             "(TFLocal / TFGlobal) are scored by their aligner")
+    add_data_root(parser, required=True, help="the shapes world")
+    add_key_values(parser, dest="rows", help="runs.LABEL=RUN_DIR or runs.LABEL=RUN_DIR@SCORER (e.g. @sgi): one "
+                   "row each, in the order given. Aligner runs (TFLocal / TFGlobal) are scored by their aligner")
     parser.add_argument("--split", default="test", help="the split scored (test: val is kept for selection)")
-    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
-    return parser.parse_args(argv)
+    add_output(parser, "file", help="also write the results as JSON here")
+    refuse_renamed(parser, {"--data": "--data-root DIR", "--run": "runs.LABEL=RUN_DIR (a key=value argument)"})
+    args = parser.parse_intermixed_args(argv)
+    args.runs = key_value_sections(parser, args.rows, ROW_SETTINGS)["runs"]
+    if not args.runs:
+        parser.error(f"give the runs to score: {ROW_SETTINGS['runs']} ...")
+    return args
 
 
-def parse_run(spec: str) -> Tuple[str, Path, str]:
-    label, sep, target = spec.partition("=")
-    if not sep:
-        raise SystemExit(f"--run expects LABEL=RUN_DIR[@SCORER], got {spec!r}")
+def parse_run(label: str, target: str) -> Tuple[str, Path, str]:
+    """`runs.LABEL=TARGET`: (label, run directory, scorer); TARGET is RUN_DIR or RUN_DIR@SCORER."""
     run_dir, _, scorer = target.partition("@")
     if scorer and scorer not in SCORERS:
-        raise SystemExit(f"--run {spec}: unknown scorer {scorer!r}; registered: {', '.join(SCORERS)}")
+        raise SystemExit(f"runs.{label}={target}: unknown scorer {scorer!r}; registered: {', '.join(SCORERS)}")
     return label, Path(run_dir), scorer or "clip"
 
 
@@ -107,8 +111,8 @@ def _cell(value: Optional[float]) -> str:
 
 def check_inputs(data: Path, runs: Sequence[Tuple[str, Path, str]]) -> None:
     """Every row's export and the shapes world exist: found before the first row's minutes of scoring."""
-    missing = [f"--data {data}: no directory"] if not Path(data).is_dir() else []
-    missing += [f"--run {label}={run_dir}: no export at {run_dir / 'export'} (train it with lightning_modules.fit)"
+    missing = [f"--data-root {data}: no directory"] if not Path(data).is_dir() else []
+    missing += [f"runs.{label}={run_dir}: no export at {run_dir / 'export'} (train it with lightning_modules.fit)"
                 for label, run_dir, _ in runs if not (run_dir / "export").is_dir()]
     if missing:
         raise SystemExit("the demo table cannot start:\n  - " + "\n  - ".join(missing))
@@ -127,9 +131,9 @@ def score_rows(runs: Sequence[Tuple[str, Path, str]], data: Path, split: str) ->
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    runs = [parse_run(spec) for spec in args.run]
-    check_inputs(args.data, runs)
-    results = score_rows(runs, args.data, args.split)
+    runs = [parse_run(label, target) for label, target in args.runs.items()]
+    check_inputs(args.data_root, runs)
+    results = score_rows(runs, args.data_root, args.split)
     print(f"\nShapes world ({args.split} split): swap scores and 2-way accuracy by swap type, retrieval R@1 (%), "
           f"attention attribution gap (mean A_comp - A_obj over {PROBE_SIZE} captions, x100)\n")
     print(markdown_table(results))

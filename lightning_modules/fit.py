@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from core.cli import AUTO, PRECISIONS, add_key_values, precision_problem
 from core.config import ConfigError, save_config
 from datamodules.coco import CocoDataModule
 from datamodules.inputs import InputError, data_input_problems, raise_if_any
@@ -57,7 +58,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="YAML merged over configs/base.yaml, "
                         "in the order given (repeatable)")
-    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.max_steps=100")
+    add_key_values(parser, help="config overrides, e.g. trainer.max_steps=100")
     # Options and key=value overrides may interleave (`--config a.yaml k=v --config b.yaml`): plain parse_args
     # takes the positionals once and calls later ones unrecognized. Every --config still merges before every
     # override, each in the order given.
@@ -184,7 +185,7 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> Optional[str]:
 
 
 def resolve_precision(precision: str) -> str:
-    """"auto": bf16-mixed on GPUs (logits and losses stay fp32 inside the losses), 32 on the CPU."""
+    """"auto": bf16-mixed on GPUs (logits and losses stay fp32 inside the losses), 32-true on the CPU."""
     if precision != "auto":
         return precision
     return "bf16-mixed" if torch.cuda.is_available() else "32-true"
@@ -337,7 +338,15 @@ def registered_method(name: str) -> type:
 def config_problems(cfg: DictConfig, method: type) -> List[str]:
     """What the config asks of `method` that cannot work, found without reading any file (slurm.sweep checks
     every run of a sweep with this before submitting)."""
-    return hard_negative_problems(cfg, method) + mask_problems(cfg, method) + benchmark_name_problems(cfg)
+    return (hard_negative_problems(cfg, method) + mask_problems(cfg, method) + benchmark_name_problems(cfg)
+            + precision_problems(cfg))
+
+
+def precision_problems(cfg: DictConfig) -> List[str]:
+    """`trainer.precision` in Lightning's names or `auto`; Lightning's legacy spellings (`bf16`, `32`) are refused
+    naming the new one, as every command refuses them."""
+    problem = precision_problem(cfg.trainer.precision, (AUTO,) + PRECISIONS)
+    return [f"trainer.precision: {problem}"] if problem else []
 
 
 def data_problems(cfg: DictConfig, method: type) -> List[str]:

@@ -27,11 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.cli import add_data_root, add_output, add_precision, refuse_renamed
 from evaluation.benchmarks import build_benchmark
 from evaluation.benchmarks.base import ItemBenchmark, unique
 from evaluation.benchmarks.standin import STANDINS
 from evaluation.harness import run_benchmark
-from evaluation.scorers import ClipScorer, Scorer
+from evaluation.scorers import PRECISIONS, ClipScorer, Scorer
 from evaluation.sgi import CROP_SETS, SGIScorer, crops_per_image, parse_grids
 from parsers.scene_graph import SceneGraphParser
 from perf import versus_clip_benchmark
@@ -52,19 +53,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", default="ViT-B-32")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
-    parser.add_argument("--out", type=Path, help="JSON report (default runs/perf_evaluate.json, or "
-                                                  "runs/perf_evaluate_clip_benchmark.json with --clip-benchmark)")
+    add_data_root(parser, default=DEFAULT_ROOT, help=f"where the stand-in data is written and read (default "
+                  f"{DEFAULT_ROOT})")
+    add_output(parser, "file", help="JSON report (default runs/perf_evaluate.json, or "
+                                    "runs/perf_evaluate_clip_benchmark.json with --clip-benchmark)")
     versus = parser.add_argument_group("--clip-benchmark: SugarCrepe, ours against LAION's clip_benchmark")
     versus.add_argument("--clip-benchmark", action="store_true", help="run the comparison (and nothing else)")
     versus.add_argument("--cb-images", type=int, default=40,
                         help="distinct images of the stand-in; every SugarCrepe item of each is kept (~4.8 per image)")
     versus.add_argument("--annotations", type=Path, default=SHARED_SUGARCREPE,
                         help="folder of the 7 official SugarCrepe JSON files (absent: generated captions)")
-    versus.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                        help="ours: ClipScorer precision; clip_benchmark: autocast on unless fp32 (its --no_amp)")
+    add_precision(versus, list(PRECISIONS), default="32-true",
+                  help="ours: ClipScorer precision; clip_benchmark: autocast on unless 32-true (its --no_amp)")
     versus.add_argument("--device", default="cpu")
     versus.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    refuse_renamed(parser, {"--root": "--data-root DIR"})
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path("runs/perf_evaluate_clip_benchmark.json" if args.clip_benchmark else "runs/perf_evaluate.json")
@@ -146,8 +149,8 @@ def compare_sgi(benchmark: ItemBenchmark, count: int, rounds: int, make_scorer, 
 
 
 def measure(name: str, args: argparse.Namespace, make_scorer) -> Dict[str, float]:
-    options = write_standin(name, args.root, args.items)
-    benchmark = build_benchmark(name, args.root / name, **options)
+    options = write_standin(name, args.data_root, args.items)
+    benchmark = build_benchmark(name, args.data_root / name, **options)
     result = run_benchmark(benchmark, make_scorer())
     row = {"items": len(result.outcomes), "seconds": result.seconds,
            "items_per_s": len(result.outcomes) / result.seconds}

@@ -1,12 +1,13 @@
 """`python -m perf.gpu`: the GPU check, one command that times every method and the offline throughputs on one GPU.
 
-    python -m perf.gpu [--json runs/perf_gpu.json] [--md runs/perf_gpu.md] [--peak-tflops T] [--budget-s 420]
+    python -m perf.gpu [--out runs/perf_gpu] [--peak-tflops T] [--budget-s 420]
     python -m perf.gpu --cpu-smoke      # the same code paths on the CPU at tiny settings (the test suite runs it)
 
-It writes one JSON document and one Markdown table. Sections run under time budgets, so the whole check stays
-within `--budget-s` (default 7 minutes); a row or section that fails (out of memory, an op without CUDA support)
-is recorded with its error and the rest still runs. `--no-budget` runs every row and section in full, whatever
-the time (the tests: what they check must not depend on how fast the machine is).
+It writes one JSON document and one Markdown table (`--out PATH`: PATH.json and PATH.md). Sections run under
+time budgets, so the whole check stays within `--budget-s` (default 7 minutes); a row or section that fails (out
+of memory, an op without CUDA support) is recorded with its error and the rest still runs. `--no-budget` runs
+every row and section in full, whatever the time (the tests: what they check must not depend on how fast the
+machine is).
 
 training    every row is a `perf.step` variant, built and stepped by `perf.step.Variant` (the same model builder,
             batch and step as `python -m perf.step`: CUDA synchronised around each step, timed with
@@ -24,13 +25,13 @@ grounding   GroundingDINO as the preprocessing job runs it (`parsers.grounding`,
             800 px on generated 640x480 images with 4 phrases each, random detector weights (as
             `preprocess.allow_random_detector`) and a random BERT-base (speed does not depend on the weights):
             images/s and (image, phrase) pairs/s.
-evaluation  our harness (`evaluation.harness.run_benchmark` with a `ClipScorer`, fp32 as the evaluate
+evaluation  our harness (`evaluation.harness.run_benchmark` with a `ClipScorer`, 32-true as the evaluate
             CLI's default) on generated stand-in data (`perf.evaluate.write_standin`): items/s.
 
 The device section gives the GPU's name, its dense bf16 peak (BF16_PEAK_TFLOPS, from vendor datasheets, or
 `--peak-tflops`; the output says which) and the rate of a bf16 matrix product measured here (the achievable
 ceiling; the MFU is given against it too). The GPU machine's image has no spaCy: the training batch's caption
-records are written beforehand where spaCy is (`--write-records`, see the README's "GPU check").
+records are written beforehand where spaCy is (`--write-records --out FILE`, see the README's "GPU check").
 A benchmark, not a test.
 """
 from __future__ import annotations
@@ -52,9 +53,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from core.cli import add_output, output_paths, refuse_renamed
 from perf import step
 
 SCHEMA = "perf_gpu/1"
+DEFAULT_OUT = Path("runs/perf_gpu")
 SECTIONS = ("training", "grounding", "evaluation")
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s from the vendors' datasheets, matched against the CUDA
 # device name in this order (the first match wins, so the more specific names come first).
@@ -95,7 +98,7 @@ class Settings:
     batch_size: int
     steps: int
     warmup: int
-    precision: str  # perf.step's: "bf16" = autocast bf16 over fp32 weights
+    precision: str  # perf.step's: "bf16-mixed" = autocast bf16 over fp32 weights
     budget_s: Optional[float]  # None: no budget (--no-budget), every row and section runs in full
     grounding_budget_s: float
     evaluation_budget_s: float
@@ -112,12 +115,12 @@ class Settings:
     matmul_size: int
 
 
-GPU = Settings(model="ViT-B-32", batch_size=256, steps=20, warmup=3, precision="bf16", budget_s=420,
+GPU = Settings(model="ViT-B-32", batch_size=256, steps=20, warmup=3, precision="bf16-mixed", budget_s=420,
                grounding_budget_s=60, evaluation_budget_s=60, grounding_size=800, grounding_images=8,
                grounding_phrases=4, grounding_batch=4, grounding_passes=5, bert="base",
                eval_benchmarks=("sugarcrepe",), eval_items=2100, eval_batch=256,
                eval_workers=min(8, os.cpu_count() or 1), matmul_size=8192)
-CPU_SMOKE = Settings(model="ViT-Tiny-16-64", batch_size=4, steps=2, warmup=1, precision="bf16", budget_s=240,
+CPU_SMOKE = Settings(model="ViT-Tiny-16-64", batch_size=4, steps=2, warmup=1, precision="bf16-mixed", budget_s=240,
                      grounding_budget_s=1, evaluation_budget_s=30, grounding_size=224, grounding_images=1,
                      grounding_phrases=1, grounding_batch=1, grounding_passes=1, bert="tiny",
                      eval_benchmarks=("sugarcrepe",), eval_items=14, eval_batch=8, eval_workers=0, matmul_size=256)
@@ -128,8 +131,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny model, batch 4, 2 steps, tiny GroundingDINO text encoder, a few evaluation items, "
                              "on the CPU: the same code paths, for tests")
-    parser.add_argument("--json", type=Path, default=Path("runs/perf_gpu.json"))
-    parser.add_argument("--md", type=Path, default=Path("runs/perf_gpu.md"))
+    add_output(parser, "formats", help=f"the JSON document and the Markdown table, each with its own suffix "
+               f"(default {DEFAULT_OUT}.json and {DEFAULT_OUT}.md); with --write-records, the records' JSON")
     parser.add_argument("--methods", help=f"comma list of perf.step variants, each optionally name@BATCH (default: "
                                           f"every variant; with --cpu-smoke {','.join(LEAD_ROWS)}); known: "
                                           f"{', '.join(step.VARIANTS)}")
@@ -141,10 +144,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "steps and every section runs, however long it takes")
     parser.add_argument("--steps", type=int, help="timed steps per method (default 20)")
     parser.add_argument("--records", type=Path, help="caption records written by --write-records (no spaCy needed)")
-    parser.add_argument("--write-records", type=Path, metavar="PATH",
-                        help="parse the training batch's captions (spaCy) into PATH for --records, then exit")
+    parser.add_argument("--write-records", action="store_true",
+                        help="parse the training batch's captions (spaCy) into --out for --records, then exit")
     parser.add_argument("--record-count", type=int, default=256, help="captions written by --write-records")
-    return parser.parse_args(argv)
+    refuse_renamed(parser, {"--json": "--out PATH (writes PATH.json and PATH.md)",
+                            "--md": "--out PATH (writes PATH.json and PATH.md)"})
+    args = parser.parse_args(argv)
+    if args.write_records and args.out is None:
+        parser.error("--write-records needs --out FILE (the records' JSON)")
+    return args
 
 
 # ----- the device ---------------------------------------------------------------------------------------------
@@ -441,7 +449,7 @@ def evaluation_section(settings: Settings, device: str, budget_s: float, workdir
         result = run_benchmark(benchmark, fresh())
         rows[name] = {"status": "ok", "error": None, "items": len(result.outcomes), "seconds": result.seconds,
                       "items_per_s": len(result.outcomes) / result.seconds}
-    return {"status": "ok", "error": None, "precision": "fp32", "batch_size": settings.eval_batch,
+    return {"status": "ok", "error": None, "precision": "32-true", "batch_size": settings.eval_batch,
             "num_workers": settings.eval_workers, "benchmarks": rows}
 
 
@@ -468,8 +476,8 @@ def check_can_run(args: argparse.Namespace, sections: Sequence[str]) -> None:
                          "GPU training; run `python -m perf.gpu --cpu-smoke` for its tiny CPU mode")
     if "training" in sections and args.records is None and importlib.util.find_spec("spacy") is None:
         raise SystemExit("perf.gpu: spaCy is not installed here, so the training batch's captions cannot be parsed; "
-                         "write their records where it is (`python -m perf.gpu --write-records .gpu/records.json`) "
-                         "and pass --records")
+                         "write their records where it is (`python -m perf.gpu --write-records --out "
+                         ".gpu/records.json`) and pass --records")
 
 
 def section_share(settings: Settings, cap_s: float, left_s: float) -> float:
@@ -508,8 +516,9 @@ def run_sections(args: argparse.Namespace, settings: Settings, sections: Sequenc
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     if args.write_records:
-        write_records(args.write_records, args.record_count)
-        print(f"wrote {args.record_count} caption records to {args.write_records}")
+        records = output_paths(args.out, [".json"])[".json"]
+        write_records(records, args.record_count)
+        print(f"wrote {args.record_count} caption records to {records}")
         return {}
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -527,10 +536,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.records is not None:
         use_records(args.records)
     result = run_sections(args, settings, sections, rows)
-    for path, text in ((args.json, json.dumps(result, indent=2)), (args.md, markdown_report(result))):
+    paths = output_paths(args.out or DEFAULT_OUT, [".json", ".md"])
+    for path, text in ((paths[".json"], json.dumps(result, indent=2)), (paths[".md"], markdown_report(result))):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    print(f"\n{markdown_report(result)}\nwrote {args.json} and {args.md}", flush=True)
+    print(f"\n{markdown_report(result)}\nwrote {paths['.json']} and {paths['.md']}", flush=True)
     return result
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from core.cli import add_key_values, add_output
 from lightning_modules import load_run_config
 from core.encoders import CLIPEncoders, build_model
 from datamodules.coco import CocoDataModule
@@ -23,11 +24,11 @@ DEFAULT_ROOT = Path("runs/perf_loader")
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action="append", default=[])
+    parser.add_argument("--config", action="append", default=[], help="experiment YAML(s), as for fit")
     parser.add_argument("--workers", default="0,1,2", help="comma list of num_workers values")
     parser.add_argument("--batches", type=int, default=30, help="timed batches per setting (after 2 warm-up)")
-    parser.add_argument("--out", type=Path, default=Path("runs/perf_loader.json"))
-    parser.add_argument("overrides", nargs="*")
+    add_output(parser, "file", default=Path("runs/perf_loader.json"), help="the JSON report")
+    add_key_values(parser, help="config overrides (as fit), e.g. data.batch_size=32")
     # Options and overrides may interleave (`--config a.yaml k=v --config b.yaml k2=v2`); every --config file
     # still merges before every override, each in the order given.
     return parser.parse_intermixed_args(argv)

@@ -30,6 +30,7 @@ import open_clip
 import torch
 import torch.nn.functional as F
 
+from core.cli import add_output
 from datamodules.shapes import COLORS, Scene, draw_scene, sample_scene
 
 # CLIP's normalisation, as the open_clip models here expect.
@@ -149,7 +150,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, steps: int, eval_eve
     parser.add_argument("--eval-every", type=int, default=eval_every)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, help="also write the history as JSON here")
+    add_output(parser, "file", help="also write the history as JSON here")
 
 
 def run_probe(args: argparse.Namespace, train: Callable[[argparse.Namespace], List[dict]]) -> List[dict]:

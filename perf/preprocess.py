@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from core.cli import add_output
 from parsers.scene_graph import DEFAULT_MODEL, SceneGraphParser
 
 # Nothing here imports numpy or torch at module level: `pin_to_one_core` must cap their thread pools first.
@@ -76,7 +77,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--mode-images", type=int, default=2, help="images in the prompt-mode comparison")
     parser.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
                         help="ASSUMED sustained GPU TFLOP/s for the COCO train2017 GPU-hour estimate")
-    parser.add_argument("--out", type=Path, default=Path("runs/perf_preprocess.json"))
+    add_output(parser, "file", default=Path("runs/perf_preprocess.json"), help="the JSON report")
     args = parser.parse_args(argv)
     if args.checkpoint and not args.text_encoder:
         parser.error("--checkpoint needs --text-encoder: the checkpoint's BERT has the bert-base-uncased vocabulary")

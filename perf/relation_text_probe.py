@@ -1,4 +1,4 @@
-"""`python -m perf.relation_text_probe --data DIR [--steps N]`: can the text tower learn relations contrastively?
+"""`python -m perf.relation_text_probe --data-root DIR [--steps N]`: can the text tower learn relations contrastively?
 
 The second half of the shapes-world testbed diagnosis (README "Method study"; `perf.position_probe` is
 the first). Relation direction needs both towers: an image embedding that binds each object's colour and shape to
@@ -39,6 +39,7 @@ import open_clip
 import torch
 import torch.nn.functional as F
 
+from core.cli import add_data_root, refuse_renamed
 from datamodules.shapes import COLORS, SHAPES, SIZES, SWAP_TYPES, load_scene_graphs, load_swap_items
 from lightning_modules.losses import ClipLoss
 from perf.position_probe import add_training_arguments, run_probe
@@ -112,8 +113,8 @@ def train_text_tower(args: argparse.Namespace) -> List[dict]:
     model = open_clip.create_model(args.model)
     tokenizer = open_clip.get_tokenizer(args.model)
     width = model.text_projection.shape[1]
-    train = training_set(args.data, "train", args.negatives)
-    evaluation = swap_set(args.data, args.split)
+    train = training_set(args.data_root, "train", args.negatives)
+    evaluation = swap_set(args.data_root, args.split)
     train_images = oracle_embeddings(torch.stack(train["codes"]), width, args.seed)
     eval_images = oracle_embeddings(torch.stack(evaluation["codes"]), width, args.seed)
     captions, eval_captions = tokenizer(train["captions"]), tokenizer(evaluation["captions"])
@@ -147,12 +148,13 @@ def train_text_tower(args: argparse.Namespace) -> List[dict]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, required=True, help="a shapes world (python -m datamodules.shapes)")
+    add_data_root(parser, required=True, help="a shapes world (python -m datamodules.shapes)")
     parser.add_argument("--split", default="val", help="the swap split scored")
     parser.add_argument("--model", default="ViT-Shapes-16-64", help="its text tower is trained")
     parser.add_argument("--config-dir", type=Path, default=Path("configs/models"))
     parser.add_argument("--negatives", type=int, default=3, help="hard-negative captions per caption (0: none)")
     add_training_arguments(parser, steps=400, eval_every=100)
+    refuse_renamed(parser, {"--data": "--data-root DIR"})
     return parser.parse_args(argv)
 
 

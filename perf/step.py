@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from core.cli import add_key_values, add_output, add_precision, autocast_dtype
 from datamodules.annotations import read_negclip_tsv
 from datamodules.features import TOKEN_DTYPE
 from datamodules.masks import CaptionMasks
@@ -79,13 +80,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precision", default="32", choices=["32", "bf16"])
-    parser.add_argument("--out", type=Path, default=Path("runs/perf_step.json"))
+    add_precision(parser, ["32-true", "bf16-mixed"], default="32-true", help="bf16-mixed: autocast over fp32 weights")
+    add_output(parser, "file", default=Path("runs/perf_step.json"), help="the JSON report")
     parser.add_argument("--peak-rss", action="store_true",
                         help="run each variant alone in a fresh process (one after another) and report its peak "
                              "resident memory beside its step times")
     parser.add_argument("--single", help=argparse.SUPPRESS)  # the child process of --peak-rss: one variant
-    parser.add_argument("overrides", nargs="*", help="config overrides applied to every variant")
+    add_key_values(parser, help="config overrides applied to every variant, e.g. data.num_hard_negatives=2")
     # Options and overrides may interleave (`k=v --model M k2=v2`): overrides apply in the order given.
     return parser.parse_intermixed_args(argv)
 
@@ -176,12 +177,13 @@ class Variant:
         self.batch = make_batch(self.module, args.batch_size, args.device)
         if getattr(self.module, "reads_cached_features", False):
             self.batch = cached_feature_batch(self.module, self.batch, cfg.method.hard_negatives.captions)
-        self.device, self.bf16 = args.device, args.precision == "bf16"
+        self.device, self.autocast = args.device, autocast_dtype(args.precision)
         self.times: List[float] = []
         self.memory_bytes = 0
 
     def _forward(self) -> torch.Tensor:
-        with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.split(":")[0], dtype=self.autocast or torch.bfloat16,
+                            enabled=self.autocast is not None):
             terms, _ = self.module.compute_terms(self.batch)
             return total_loss(terms)
 

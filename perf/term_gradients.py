@@ -1,5 +1,5 @@
-"""`python -m perf.term_gradients --config A.yaml [--config B.yaml ...] [key=value ...] [--batches N]`: which loss
-term drives which tower?
+"""`python -m perf.term_gradients --config A.yaml [--config B.yaml ...] [key=value ...] [--batches N] [--out FILE]`:
+which loss term drives which tower?
 
 A method's loss is a weighted sum of terms (`compute_terms`). AdamW divides every parameter's update by the running
 size of its gradient, so a term's absolute weight does not set the step size; what it sets is the term's share of
@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from core.cli import add_key_values, add_output, refuse_renamed
 from lightning_modules import load_run_config_or_exit
 from lightning_modules.fit import build_datamodule, build_module
 
@@ -85,8 +86,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", default=[], help="config files, merged in order (as fit)")
     parser.add_argument("--batches", type=int, default=4, help="training batches to average over")
-    parser.add_argument("--json", default=None, help="also write the table here")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides (as fit)")
+    add_output(parser, "file", help="also write the table here (JSON)")
+    add_key_values(parser, help="config overrides (as fit), e.g. method.name=macco")
+    refuse_renamed(parser, {"--json": "--out FILE"})
     # Options and overrides may interleave (`--config a.yaml k=v --config b.yaml k2=v2`); every --config file
     # still merges before every override, each in the order given.
     return parser.parse_intermixed_args(argv)
@@ -112,8 +114,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     report = mean_reports(reports)
     print(f"gradient per weighted term, mean over {len(reports)} batches of {cfg.data.batch_size}")
     print_table(report)
-    if args.json:
-        with open(args.json, "w") as handle:
+    if args.out:
+        with open(args.out, "w") as handle:
             json.dump({"batches": len(reports), "terms": report}, handle, indent=2)
 
 

@@ -221,7 +221,7 @@ def main(args) -> Dict[str, object]:
     cb = import_clip_benchmark()  # refuse before any work
     if args.threads:
         torch.set_num_threads(args.threads)
-    root = args.root / "sugarcrepe_vs_clip_benchmark"
+    root = args.data_root / "sugarcrepe_vs_clip_benchmark"
     standin = write_standin(root, args.cb_images, args.annotations, seed=0)
     torch.manual_seed(0)
     base = ClipScorer.from_pretrained(args.model, None, device=args.device, precision=args.precision,
@@ -232,7 +232,7 @@ def main(args) -> Dict[str, object]:
         return ClipScorer(base.model, base.tokenizer, base.preprocess, device=args.device, precision=args.precision,
                           batch_size=args.batch_size, num_workers=args.num_workers)
 
-    amp = args.precision != "fp32"  # clip_benchmark's autocast (its default; --no_amp for fp32)
+    amp = args.precision != "32-true"  # clip_benchmark's autocast (its default; --no_amp for fp32)
     report = compare(root, cb, make_scorer, args.batch_size, args.num_workers, amp, args.rounds)
     setting = (f"{args.model} (random weights), {args.precision}, {args.device}, torch threads "
                f"{torch.get_num_threads()}, batch {args.batch_size}, {args.num_workers} DataLoader workers on both "

@@ -23,8 +23,8 @@ or `--jobs N` at a time (each with cpus // N threads), with a progress line per 
 `<run>/sweep.log`, a run whose export already exists skipped (so running the sweep again resumes it), and a failed
 run reported at the end (exit status 1) without stopping the others.
 
-`--only AXIS=LABEL` (repeatable) runs part of the grid: a run is kept when, for every axis named, its label is
-one of those given (`--only method=clip_ft --only negatives=with --only negatives=without`). sweep.json still
+`only.AXIS=LABEL[,LABEL...]` (a key=value argument, one per axis) runs part of the grid: a run is kept when, for
+every axis named, its label is one of those given (`only.method=clip_ft only.negatives=with,without`). sweep.json still
 lists the whole grid, so task indices, run directories and the study report are those of the full sweep: the
 full sweep run later skips what the part finished, and the report lists the runs not yet run as missing.
 
@@ -55,6 +55,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from core.cli import add_key_values, key_value_sections, refuse_renamed
 from core.config import ConfigError
 from core.files import atomic_write_text
 from lightning_modules.study.runs import RUN_LOG, SWEEP_FILE, export_complete
@@ -66,6 +67,7 @@ SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "exclude", "s
 FEW_RUNS = 4
 # Thread-count variables a child run gets under --jobs: torch's intra-op pool reads OMP_NUM_THREADS at start.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+ONLY_SETTINGS = {"only": "only.AXIS=LABEL[,LABEL...]"}
 
 
 class SweepError(ValueError):
@@ -170,19 +172,21 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "-", text).strip("-")
 
 
-def parse_only(sweep: Sweep, items: Sequence[str]) -> Dict[str, set]:
-    """`--only` items as {axis: {"axis-label", ...}}; an axis or label the grid lacks is a typo, named here."""
+def parse_only(sweep: Sweep, only_settings: Dict[str, str]) -> Dict[str, set]:
+    """The `only.AXIS=LABEL,LABEL` settings ({axis: "label,label"}) as {axis: {"axis-label", ...}}; an axis or
+    label the grid lacks is a typo, named here."""
     labels: Dict[str, set] = {}
     for run in sweep.runs:
         for axis, label in run.choices.items():
             labels.setdefault(axis, set()).add(label)
     only: Dict[str, set] = {}
-    for item in items:
-        axis, _, label = item.partition("=")
-        if f"{axis}-{label}" not in labels.get(axis, set()):
-            valid = {key: sorted(value.split("-", 1)[1] for value in values) for key, values in labels.items()}
-            raise SweepError(f"--only {item}: the grid has no such axis=label (axes and labels: {valid})")
-        only.setdefault(axis, set()).add(f"{axis}-{label}")
+    for axis, given in only_settings.items():
+        for label in (label.strip() for label in given.split(",")):
+            if f"{axis}-{label}" not in labels.get(axis, set()):
+                valid = {key: sorted(value.split("-", 1)[1] for value in values) for key, values in labels.items()}
+                raise SweepError(f"only.{axis}={label}: the grid has no such axis and label (axes and labels: "
+                                 f"{valid})")
+            only.setdefault(axis, set()).add(f"{axis}-{label}")
     return only
 
 
@@ -382,10 +386,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--local", action="store_true", help="run every combination here (see --jobs)")
     parser.add_argument("--jobs", type=int, default=1, help="with --local: runs at once (default 1), each with "
                         "max(1, cpus // jobs) threads")
-    parser.add_argument("--only", action="append", default=[], metavar="AXIS=LABEL",
-                        help="run only the grid's runs with this label on this axis (repeatable; see below)")
+    add_key_values(parser, dest="settings", help="only.AXIS=LABEL[,LABEL...]: run only the grid's runs with one "
+                   "of these labels on this axis (see below)")
     parser.add_argument("--task", nargs=2, metavar=("SWEEP_JSON", "INDEX"), help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    refuse_renamed(parser, {"--only": "only.AXIS=LABEL[,LABEL...] (a key=value argument)"})
+    args = parser.parse_intermixed_args(argv)
+    if args.sweep is not None and "=" in str(args.sweep):  # a key=value argument took the sweep file's place
+        parser.error(f"give the sweep YAML first, before {args.sweep}")
+    args.only = key_value_sections(parser, args.settings, ONLY_SETTINGS)["only"]
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
@@ -401,7 +410,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
         sweep = load_sweep(args.sweep)
         indices = selected_indices(sweep, parse_only(sweep, args.only))
         if not indices:
-            raise SweepError(f"--only {' '.join(args.only)} selects none of the {len(sweep.runs)} runs")
+            chosen = " ".join(f"only.{axis}={labels}" for axis, labels in args.only.items())
+            raise SweepError(f"{chosen} selects none of the {len(sweep.runs)} runs")
         missing_data = check_runs(sweep, indices, data_here=args.local)
     except SweepError as err:
         raise SystemExit(f"sweep error: {err}") from None

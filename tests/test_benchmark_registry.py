@@ -60,7 +60,7 @@ def test_all_over_every_stand_in(tmp_path):
     options = []
     for name, write in STANDINS.items():
         for key, value in write(tmp_path / "bench" / name, n_items=12, seed=2).items():
-            options += ["--set", f"{name}.{key}={value}"]
+            options += [f"options.{name}.{key}={value}"]
     out = tmp_path / "eval"
     results = evaluate.main(["--model", "ViT-Tiny-16-64", "--all", "--data-root", str(tmp_path / "bench"),
                              "--out", str(out), "--num-workers", "0", "--no-progress", *options])

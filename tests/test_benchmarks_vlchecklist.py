@@ -227,8 +227,8 @@ def test_allow_partial_is_set_from_the_cli_and_checked(tmp_path):
     options = write_vl_checklist(root, n_items=2)
     break_four_sources(root)
     args = evaluate.parse_args(["--benchmarks", "vl_checklist", "--data-root", str(tmp_path / "bench"),
-                                "--set", f"vl_checklist.images={options['images']}",
-                                "--set", "vl_checklist.allow_partial=true"])
+                                f"options.vl_checklist.images={options['images']}",
+                                "options.vl_checklist.allow_partial=true"])
     benchmark = evaluate.select_benchmarks(args)["vl_checklist"]
     assert benchmark.allow_partial is True and "Relation/spatial/vg" in benchmark.missing
     with pytest.raises(TypeError, match="allow_partial must be true or false"):

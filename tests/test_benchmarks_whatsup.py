@@ -245,7 +245,7 @@ def test_a_combined_aggregate_needs_every_part_and_every_key():
 def test_table_1_averages_through_the_cli_results_files_and_reaggregate(tmp_path, capsys):
     options = []
     for name, write in WRITERS.items():
-        options += ["--set", f"{name}.images={write(tmp_path / 'bench' / name, n_items=8, seed=3)['images']}"]
+        options += [f"options.{name}.images={write(tmp_path / 'bench' / name, n_items=8, seed=3)['images']}"]
     out = tmp_path / "eval"
     evaluate.main(["--model", "ViT-Tiny-16-64", "--benchmarks", ",".join(WRITERS), "--data-root",
                    str(tmp_path / "bench"), "--out", str(out), "--num-workers", "0", "--no-progress", *options])

@@ -28,12 +28,13 @@ def test_evaluate_export_end_to_end(tmp_path, monkeypatch):
 
 
 def test_a_row_scored_with_sgi_and_the_run_syntax(tmp_path):
-    from lightning_modules.demo import parse_run
+    from lightning_modules.demo import parse_args, parse_run
 
-    assert parse_run("sgi=runs/x@sgi") == ("sgi", Path("runs/x"), "sgi")
-    assert parse_run("ft=runs/y") == ("ft", Path("runs/y"), "clip")
+    args = parse_args(["runs.sgi=runs/x@sgi", "--data-root", "world", "runs.ft=runs/y"])
+    assert [parse_run(label, target) for label, target in args.runs.items()] == [
+        ("sgi", Path("runs/x"), "sgi"), ("ft", Path("runs/y"), "clip")]
     with pytest.raises(SystemExit, match="unknown scorer"):
-        parse_run("a=runs/z@nope")
+        parse_run("a", "runs/z@nope")
     generate(tmp_path / "shapes", n_train=4, n_val=4, image_size=64, seed=0, n_swap=4)
     torch.manual_seed(0)
     built = build_model("ViT-Tiny-16-64", None, "configs/models")

@@ -63,7 +63,7 @@ def test_cli_on_a_tiny_model_writes_outcomes_aggregates_and_tables(tiny_run, dat
     document = json.loads((out / "aggregates.json").read_text())
     stored = document["benchmarks"]["sugarcrepe"]["aggregates"]
     assert stored == pytest.approx(reaggregate(out)["sugarcrepe"])
-    assert document["metadata"]["model"] == TINY and document["metadata"]["precision"] == "fp32"
+    assert document["metadata"]["model"] == TINY and document["metadata"]["precision"] == "32-true"
     with open(out / "results.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert {row["metric"] for row in rows} >= set(SUBSETS) | {"overall_micro", "overall_macro"}
@@ -87,7 +87,7 @@ def test_all_skips_absent_benchmarks_and_runs_the_present_ones(tiny_run, data_ro
 
 def test_missing_images_stop_before_encoding_with_the_option_to_fix_it(tiny_run, data_root, tmp_path):
     shutil.rmtree(data_root / "sugarcrepe" / "val2017")
-    with pytest.raises(SystemExit, match=r"image files are missing.*--set sugarcrepe.images=DIR"):
+    with pytest.raises(SystemExit, match=r"image files are missing.*options.sugarcrepe.images=DIR"):
         evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
                        "--out", str(tmp_path / "eval")])
 
@@ -96,7 +96,7 @@ def test_set_passes_benchmark_options(tiny_run, data_root, tmp_path):
     images = tmp_path / "coco_val2017"
     shutil.move(str(data_root / "sugarcrepe" / "val2017"), images)
     results = evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
-                             "--set", f"sugarcrepe.images={images}", "--out", str(tmp_path / "eval"),
+                             f"options.sugarcrepe.images={images}", "--out", str(tmp_path / "eval"),
                              "--num-workers", "0", "--no-progress"])
     assert len(results[0].outcomes) == 28
 
@@ -116,7 +116,7 @@ def test_the_real_sugarcrepe_files_through_the_cli_with_stand_in_images(tiny_run
     for subset in SUBSETS:  # score only swap_obj (245 real items); the other files are emptied
         if root / f"{subset}.json" != keep:
             (root / f"{subset}.json").write_text("{}")
-    results = evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", "--root", f"sugarcrepe={root}",
+    results = evaluate.main(["--run", str(tiny_run), "--benchmarks", "sugarcrepe", f"roots.sugarcrepe={root}",
                              "--out", str(tmp_path / "eval"), "--num-workers", "0", "--no-progress"])
     assert len(results[0].outcomes) == 245
     aggregates = json.loads((tmp_path / "eval" / "aggregates.json").read_text())["benchmarks"]["sugarcrepe"]
@@ -142,9 +142,9 @@ def coco_captions(path: Path, image_ids) -> Path:
 def test_leakage_guard_reports_the_overlap_and_writes_exclusions(data_root, tmp_path, capsys):
     benchmark_ids = sorted(build_benchmark("sugarcrepe", data_root / "sugarcrepe").coco_image_ids())
     train = coco_captions(tmp_path / "train.json", benchmark_ids[:3] + [1, 2])
-    exclusions = tmp_path / "exclude.json"
+    exclusions = tmp_path / "leakage" / "exclude_image_ids.json"
     argv = ["--train", str(train), "--benchmarks", "sugarcrepe", "--data-root", str(data_root),
-            "--write-exclusions", str(exclusions)]
+            "--out", str(tmp_path / "leakage")]
     report = leakage.main(argv)
     assert report["sugarcrepe"]["overlap"] == 3 and report["sugarcrepe"]["coco_images"] == len(benchmark_ids)
     assert json.loads(exclusions.read_text()) == benchmark_ids

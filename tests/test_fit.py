@@ -516,7 +516,8 @@ def test_hard_negatives_are_accepted_by_the_methods_that_train_on_them_only(shap
         masks = ["data.masks=true"] if name in NEEDS_MASKS else []  # else refused for want of its masks
         check_inputs(tiny_config(shapes_root, tmp_path, f"method.name={name}", *HARD_NEGATIVES, *masks))
     # every problem at once
-    with pytest.raises(InputError, match=r"(?s)captions=-1: give 0.*images=true: method tflocal .*only clip_cae, clip_ft"):
+    with pytest.raises(InputError,
+                       match=r"(?s)captions=-1: give 0.*images=true: method tflocal .*only clip_cae, clip_ft"):
         run(tiny_config(shapes_root, tmp_path, "method.name=tflocal", "method.hard_negatives.captions=-1",
                         "method.hard_negatives.images=true"))
     assert not (tmp_path / "demo_pretrain").exists()

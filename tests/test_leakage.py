@@ -33,7 +33,7 @@ def run_guard(tmp_path: Path, train: Path, names: str, *extra: str) -> dict:
     for name in names.split(","):
         written = tmp_path / "bench" / f"{name}.options.json"
         for key, value in (json.loads(written.read_text()) if written.is_file() else {}).items():
-            options += ["--set", f"{name}.{key}={json.dumps(value)}"]
+            options += [f"options.{name}.{key}={json.dumps(value)}"]
     return leakage.main(["--train", str(train), "--benchmarks", names, "--data-root", str(tmp_path / "bench"),
                          *options, *extra])
 
@@ -53,8 +53,8 @@ def test_bivlc_coco_photos_are_found_by_their_embedded_file_names(tmp_path, caps
     benchmark = build_benchmark("bivlc", tmp_path / "bench" / "bivlc")
     assert benchmark.coco_image_ids() == set(range(12))
     train = coco_captions(tmp_path / "train.json", [2, 5, 11, 500])
-    exclusions = tmp_path / "exclude.json"
-    report = run_guard(tmp_path, train, "bivlc", "--write-exclusions", str(exclusions))["bivlc"]
+    exclusions = tmp_path / "out" / "exclude_image_ids.json"
+    report = run_guard(tmp_path, train, "bivlc", "--out", str(tmp_path / "out"))["bivlc"]
     assert report["overlap"] == 3 and report["examples"] == [2, 5, 11] and report["coco_images"] == 12
     assert report["generated_images"] == 12 and report["unchecked"] == 0
     assert json.loads(exclusions.read_text()) == list(range(12))
@@ -120,8 +120,8 @@ def test_visual_genome_images_planted_in_training_are_found_with_the_id_map(tmp_
     for name in VG_BENCHMARKS:
         assert f"- {name}: {blind[name]['visual_genome_unmapped']} Visual Genome images" in out
 
-    exclusions = tmp_path / "exclude.json"
-    seen = run_guard(tmp_path, train, names, "--vg-image-data", str(vg_map), "--write-exclusions", str(exclusions))
+    exclusions = tmp_path / "out" / "exclude_image_ids.json"
+    seen = run_guard(tmp_path, train, names, "--vg-image-data", str(vg_map), "--out", str(tmp_path / "out"))
     for k, name in enumerate(VG_BENCHMARKS):
         assert seen[name]["overlap"] == 1 and seen[name]["examples"] == [900000 + k]
         assert seen[name]["visual_genome_coco"] == 2 and seen[name]["visual_genome_unmapped"] == 0
@@ -156,13 +156,13 @@ def test_the_report_lists_what_it_could_not_check(tmp_path, vg_benchmarks, capsy
 
     write_sugarcrepe(tmp_path / "bench" / "sugarcrepe", n_items=7)
     train = coco_captions(tmp_path / "train.json", [1])
-    report = run_guard(tmp_path, train, "valse,sugarcrepe", "--report", str(tmp_path / "report.json"))
+    report = run_guard(tmp_path, train, "valse,sugarcrepe", "--out", str(tmp_path))
     out = capsys.readouterr().out
     assert report["valse"]["other_images"] == 14 and report["valse"]["unchecked"] == 14 + 7
     assert "- valse: 14 images named by neither COCO nor Visual Genome, not compared (--hash-images" in out
     assert "/swig/" in out  # an example: the action pieces' SWiG images
     assert "- sugarcrepe" not in out and report["sugarcrepe"]["unchecked"] == 0
-    stored = json.loads((tmp_path / "report.json").read_text())
+    stored = json.loads((tmp_path / "overlap_report.json").read_text())
     assert stored["valse"]["other_examples"] == report["valse"]["other_examples"]
     others = stored["valse"]["other_examples"]
     assert all("/swig/" in example or "VisualDialog_val2018" in example for example in others)
@@ -212,9 +212,9 @@ def test_identical_files_under_other_names_are_found_by_content_and_cached(tmp_p
     with pytest.raises(SystemExit, match="--train-images"):
         run_guard(tmp_path, train, names, "--hash-images")
 
-    cache, exclusions = tmp_path / "hashes.json", tmp_path / "exclude.json"
+    cache, exclusions = tmp_path / "hashes.json", tmp_path / "out" / "exclude_image_ids.json"
     argv = ["--hash-images", "--train-images", str(images), "--hash-cache", str(cache)]
-    report = run_guard(tmp_path, train, names, *argv, "--write-exclusions", str(exclusions))[names]
+    report = run_guard(tmp_path, train, names, *argv, "--out", str(tmp_path / "out"))[names]
     assert report["overlap"] == 0 and report["content_overlap"] == 1 and report["content_examples"] == [files[1]]
     assert report["content_training_ids"] == [42] and json.loads(exclusions.read_text()) == [42]
     assert report["content_hashed"] == len(files) and report["content_missing"] == 0

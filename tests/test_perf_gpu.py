@@ -44,12 +44,12 @@ def smoke(tmp_path_factory):
     beforehand, read at run time. perf.gpu reads a clock that makes the machine look arbitrarily slow: what the
     tests check must not depend on how fast the machine is (the step times are perf.step's own, still real)."""
     out = tmp_path_factory.mktemp("perf_gpu")
-    gpu.write_records(out / "records.json", 4)
+    gpu.main(["--write-records", "--record-count", "4", "--out", str(out / "records.json")])
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(gpu, "time", SlowClock())
             gpu.main(["--cpu-smoke", "--no-budget", "--records", str(out / "records.json"), "--peak-tflops", "2.5",
-                      "--json", str(out / "gpu.json"), "--md", str(out / "gpu.md")])
+                      "--out", str(out / "gpu")])
     finally:
         step.PREPARED_RECORDS.clear()
     return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
@@ -121,7 +121,7 @@ def test_the_budget_is_a_choice():
 def test_refuses_without_cuda_before_any_work(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as refusal:
-        gpu.main(["--json", str(tmp_path / "gpu.json"), "--md", str(tmp_path / "gpu.md")])
+        gpu.main(["--out", str(tmp_path / "gpu")])
     message = refusal.value.code
     assert isinstance(message, str) and "\n" not in message  # printed to stderr, exit status 1
     assert "no CUDA device" in message and "python -m perf.gpu --cpu-smoke" in message
@@ -152,7 +152,7 @@ def test_bf16_peak_table(name, peak):
 
 def test_aligner_variants_time_the_cached_feature_step():
     """perf.step's TFLocal step reads the cache's layout (float16 tokens, no negatives by default), not pixels."""
-    args = argparse.Namespace(model=TINY, batch_size=4, device="cpu", precision="32", overrides=[])
+    args = argparse.Namespace(model=TINY, batch_size=4, device="cpu", precision="32-true", overrides=[])
     variant = step.Variant("tflocal_hard16", args)
     batch = variant.batch
     assert is_feature_batch(batch) and "neg_text" not in batch and batch["image"].ndim == 3  # tokens, not pixels

@@ -126,7 +126,7 @@ def test_aligner_scoring_honours_the_progress_flag(aligner_scorer, tmp_path, mon
 
 def test_the_demo_table_reports_each_row_and_checks_every_export_first(tmp_path, monkeypatch, capsys):
     runs = [("a", tmp_path / "run_a", "clip"), ("b", tmp_path / "run_b", "sgi")]
-    with pytest.raises(SystemExit, match=r"--run a=.*run_a: no export(.|\n)*--run b="):
+    with pytest.raises(SystemExit, match=r"runs.a=.*run_a: no export(.|\n)*runs.b="):
         demo.check_inputs(tmp_path, runs)
     monkeypatch.setattr(demo, "evaluate_export", lambda export, data, split, scorer: {"text": 50.0})
     assert demo.score_rows(runs, tmp_path, "val") == {"a": {"text": 50.0}, "b": {"text": 50.0}}

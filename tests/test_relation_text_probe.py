@@ -67,7 +67,7 @@ def test_the_swap_set_has_two_scenes_and_two_captions_per_item(world):
 
 def test_a_short_probe_trains_the_text_tower_and_reports_its_history(world, tmp_path):
     out = tmp_path / "probe.json"
-    history = main(["--data", str(world), "--model", "ViT-Tiny-16-64", "--steps", "4", "--eval-every", "2",
+    history = main(["--data-root", str(world), "--model", "ViT-Tiny-16-64", "--steps", "4", "--eval-every", "2",
                     "--batch-size", "8", "--out", str(out)])
     assert [entry["step"] for entry in history] == [2, 4]
     assert all(entry["loss"] > 0 and set(entry["two_way"]) <= {"attribute", "relation", "object"}

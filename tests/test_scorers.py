@@ -93,7 +93,7 @@ def test_clip_scorer_equals_open_clip_features(tmp_path):
     np.testing.assert_allclose(result, (image @ text.T).numpy(), rtol=1e-5, atol=1e-5)
     assert not np.allclose(result[0], result[3])
     assert load_image(refs[3]).size == (20, 16)
-    assert scorer.describe()["activation"] == "gelu" and scorer.describe()["precision"] == "fp32"
+    assert scorer.describe()["activation"] == "gelu" and scorer.describe()["precision"] == "32-true"
 
 
 def test_openai_weights_are_scored_with_quickgelu(monkeypatch):
@@ -108,9 +108,11 @@ def test_openai_weights_are_scored_with_quickgelu(monkeypatch):
     assert scorer.describe()["activation"] == "quickgelu"
 
 
-def test_unknown_precision_is_rejected():
+def test_unknown_precision_is_rejected_and_a_renamed_one_names_lightnings():
     with pytest.raises(ValueError, match="precision"):
         ClipScorer(torch.nn.Linear(1, 1), None, None, precision="fp8")
+    with pytest.raises(ValueError, match="'fp32' was renamed: use 32-true"):
+        ClipScorer(torch.nn.Linear(1, 1), None, None, precision="fp32")
 
 
 class RecordingScorer(Scorer):

@@ -413,8 +413,8 @@ def data_root(tmp_path_factory) -> Path:
 
 
 def test_cli_scores_sugarcrepe_with_sgi_from_a_run(tiny_run, data_root, parser):
-    evaluate.main(["--run", str(tiny_run), "--scorer", "sgi", "--scorer-option", "grids=[1, 2]",
-                   "--scorer-option", "global_weight=0.5", "--benchmarks", "sugarcrepe", "--data-root",
+    evaluate.main(["--run", str(tiny_run), "--scorer", "sgi", "scorer.grids=[1, 2]",
+                   "scorer.global_weight=0.5", "--benchmarks", "sugarcrepe", "--data-root",
                    str(data_root), "--num-workers", "0", "--no-progress"])
     out = tiny_run / "eval-sgi"  # never the global-cosine folder
     metadata = json.loads((out / "aggregates.json").read_text())["metadata"]
@@ -435,7 +435,7 @@ def test_cli_scores_sugarcrepe_with_sgi_from_a_run(tiny_run, data_root, parser):
 
 
 def test_cli_scores_with_sgi_from_a_model_name(data_root, tmp_path):
-    results = evaluate.main(["--model", TINY, "--scorer", "sgi", "--scorer-option", "grids=2", "--benchmarks",
+    results = evaluate.main(["--model", TINY, "--scorer", "sgi", "scorer.grids=2", "--benchmarks",
                              "sugarcrepe", "--data-root", str(data_root), "--out", str(tmp_path / "eval"),
                              "--num-workers", "0", "--no-progress", "--no-cost-comparison"])
     assert len(results[0].outcomes) == 14
@@ -460,9 +460,9 @@ def test_cli_rejects_unknown_scorers_and_options_naming_the_valid_ones(tiny_run,
     assert re.search(r"invalid choice: 'sgx' \(choose from '?clip'?, '?sgi'?\)", capsys.readouterr().err)
     assert list(evaluate.SCORERS) == ["clip", "sgi"]
     with pytest.raises(SystemExit, match="sgi has no option.*grid.*accepts: grids, global_weight, resize"):
-        evaluate.main(argv + ["--scorer", "sgi", "--scorer-option", "grid=2"])
+        evaluate.main(argv + ["--scorer", "sgi", "scorer.grid=2"])
     with pytest.raises(SystemExit, match="clip has no option.*accepts: none"):
-        evaluate.main(argv + ["--scorer-option", "grids=2"])
+        evaluate.main(argv + ["scorer.grids=2"])
 
 
 def test_identical_candidates_get_bit_identical_sgi_scores(tiny, parser, refs):

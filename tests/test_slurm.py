@@ -102,7 +102,8 @@ def grid_sweep(tmp_path: Path) -> Path:
     """A 2 x 2 x 2 grid (negatives x method x seed) with one combination excluded: 6 runs."""
     path = tmp_path / "grid.yaml"
     path.write_text(f"name: grid\nruns_root: {tmp_path / 'runs'}\ngrid:\n"
-                    "  negatives: {with: [method.hard_negatives.captions=1], without: [method.hard_negatives.captions=0]}\n"
+                    "  negatives: {with: [method.hard_negatives.captions=1],\n"
+                    "              without: [method.hard_negatives.captions=0]}\n"
                     "  method: {ft: [method.name=clip_ft], tfl: [method.name=tflocal]}\n"
                     "  seed: [0, 1]\nexclude:\n  - {negatives: without, method: tfl}\n"
                     f"overrides: [data.root={data_root(tmp_path)}]\n")
@@ -114,7 +115,7 @@ def test_only_runs_part_of_the_grid_and_keeps_the_full_task_indices(tmp_path, ca
     ran = tmp_path / "ran.txt"
     monkeypatch.setattr(sweep_module, "task_command", python_command(
         f"open({str(ran)!r}, 'a').write(f'{{index}}\\n')"))
-    sweep_main([str(path), "--local", "--only", "method=ft", "--only", "seed=1"])
+    sweep_main([str(path), "--local", "only.method=ft", "only.seed=1"])
     runs = load_sweep(path).runs
     names = [runs[int(index)].name for index in ran.read_text().split()]
     assert sorted(names) == ["negatives-with_method-ft_seed-1", "negatives-without_method-ft_seed-1"]
@@ -123,8 +124,7 @@ def test_only_runs_part_of_the_grid_and_keeps_the_full_task_indices(tmp_path, ca
     assert [run["name"] for run in document["runs"]] == [run.name for run in runs] and len(runs) == 6
     assert "[2/2]" in capsys.readouterr().out
     # Two labels of one axis are alternatives; the dry run's array lists the selected tasks only.
-    sweep_main([str(path), "--dry-run", "--only", "negatives=with", "--only", "negatives=without",
-                "--only", "seed=0"])
+    sweep_main([str(path), "only.negatives=with,without", "--dry-run", "only.seed=0"])
     out = capsys.readouterr().out
     assert "#SBATCH --array=0,2,4" in out and out.count("# task ") == 3
     sweep_main([str(path), "--dry-run"])
@@ -133,12 +133,12 @@ def test_only_runs_part_of_the_grid_and_keeps_the_full_task_indices(tmp_path, ca
 
 def test_only_typos_and_empty_selections_are_refused(tmp_path):
     path = grid_sweep(tmp_path)
-    with pytest.raises(SystemExit, match=r"--only method=clip_ft: the grid has no such axis=label.*'ft', 'tfl'"):
-        sweep_main([str(path), "--dry-run", "--only", "method=clip_ft"])
-    with pytest.raises(SystemExit, match="--only methods=ft: the grid has no such"):
-        sweep_main([str(path), "--dry-run", "--only", "methods=ft"])
+    with pytest.raises(SystemExit, match=r"only.method=clip_ft: the grid has no such axis and label.*'ft', 'tfl'"):
+        sweep_main([str(path), "--dry-run", "only.method=ft,clip_ft"])
+    with pytest.raises(SystemExit, match="only.methods=ft: the grid has no such"):
+        sweep_main([str(path), "--dry-run", "only.methods=ft"])
     with pytest.raises(SystemExit, match="selects none of the 6 runs"):
-        sweep_main([str(path), "--dry-run", "--only", "negatives=without", "--only", "method=tfl"])
+        sweep_main([str(path), "--dry-run", "only.negatives=without", "only.method=tfl"])
 
 
 def test_unknown_sweep_keys_are_named(tmp_path):

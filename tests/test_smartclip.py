@@ -348,7 +348,8 @@ def test_hard_negatives_join_sidm_under_their_own_masks_in_training_only(positio
     equals the float64 reference; dism, sparsity, the mask report, validation and a run without the option are
     unchanged."""
     torch.manual_seed(0)
-    negclip = SmartCLIP(smartclip_config("method.hard_negatives.captions=2", f"method.mask_positions={positions}")).train()
+    negclip = SmartCLIP(smartclip_config("method.hard_negatives.captions=2",
+                                         f"method.mask_positions={positions}")).train()
     torch.manual_seed(0)
     plain_module = SmartCLIP(smartclip_config(f"method.mask_positions={positions}")).train()
     batch = {**hand_made_batch(negclip),

@@ -470,7 +470,7 @@ def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(study_module, "load_mechanisms", lambda *args: gap_mechanism)
     results = study_module.main(["--sweep", str(sweep), "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
-    assert results == tmp_path / "out" / "report" / "results.md" and f"report: {results}" in out
+    assert results == tmp_path / "out" / "results.md" and f"report: {results}" in out
     assert "[val 1/3] method-clip_ft_seed-0 (val): scored in" in out
     cache = json.loads((sweep / "method-clip_ft_seed-0" / CACHE_FILE).read_text())
     assert set(cache["splits"]) == set(SPLITS)

@@ -85,7 +85,7 @@ def test_a_single_term_points_where_the_total_does(shapes_root, tmp_path):
 
 def test_the_command_writes_its_table(shapes_root, mask_cache, tmp_path, capsys):
     out = tmp_path / "terms.json"
-    main(["--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), "--batches", "2", "--json", str(out),
+    main(["--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), "--batches", "2", "--out", str(out),
           f"model.name={TINY}", f"data.root={shapes_root}", f"runs_root={tmp_path}", "data.batch_size=8",
           "data.num_workers=0", *MACCO, f"preprocess.cache_root={mask_cache}"])
     written = json.loads(out.read_text())

@@ -45,7 +45,7 @@ def test_sample_keeps_every_item_of_the_sampled_images_under_its_key(annotations
 def test_without_clip_benchmark_it_refuses_before_any_work_and_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "clip_benchmark", None)  # `import clip_benchmark...` now raises ImportError
     with pytest.raises(SystemExit) as exit_info:
-        evaluate.main(["--clip-benchmark", "--root", str(tmp_path / "root"), "--out", str(tmp_path / "out.json")])
+        evaluate.main(["--clip-benchmark", "--data-root", str(tmp_path / "root"), "--out", str(tmp_path / "out.json")])
     assert "pip install --no-deps --target runs/clip_benchmark_site clip_benchmark==1.6.2" in str(exit_info.value)
     assert not (tmp_path / "root").exists() and not (tmp_path / "out.json").exists()
 
@@ -55,7 +55,7 @@ def test_without_clip_benchmark_it_refuses_before_any_work_and_says_how_to_insta
 def test_both_harnesses_score_the_same_items_alike(annotations, tmp_path):
     report = evaluate.main(["--clip-benchmark", "--model", "ViT-Tiny-16-64", "--cb-images", "6", "--rounds", "1",
                             "--num-workers", "0", "--batch-size", "8", "--annotations", str(annotations),
-                            "--root", str(tmp_path / "root"), "--out", str(tmp_path / "out.json")])
+                            "--data-root", str(tmp_path / "root"), "--out", str(tmp_path / "out.json")])
     agreement = report["agreement"]
     assert agreement["max_abs_cosine_difference"] < 1e-5
     assert agreement["outcome_mismatches"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from core.cli import add_output
 from datamodules.shapes.files import generate
 from datamodules.shapes.world import CAPTION_RELATIONS, DEFAULT_CAPTION_RELATIONS
 
@@ -12,7 +13,7 @@ from datamodules.shapes.world import CAPTION_RELATIONS, DEFAULT_CAPTION_RELATION
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point: generate the dataset and print the counts as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="dataset directory")
+    add_output(parser, "folder", required=True, help="the world's folder")
     parser.add_argument("--n-train", type=int, required=True)
     parser.add_argument("--n-val", type=int, required=True)
     parser.add_argument("--image-size", type=int, default=64)

@@ -34,7 +34,7 @@ of action and spatial; `average` is their mean. CE-CLIP (Table 2) averages Locat
 
 Every (type, source) of the taxonomy must be scored, as the chart code refuses to draw when a file has not been
 evaluated: a source whose YAML or annotation file is absent, whose annotation list is empty, or none of whose
-images exists is an error naming it. With `allow_partial=True` (`--set vl_checklist.allow_partial=true`) such
+images exists is an error naming it. With `allow_partial=True` (`options.vl_checklist.allow_partial=true`) such
 sources are left out with a warning, every mean is taken over what is present, and the aggregates say so:
 `partial` is 1.0, `missing_sources` counts the absent sources and `missing/<type>/<source>` is 1.0 for each.
 The aggregates are computed from the outcomes alone, so a source with no outcome is what counts as missing.
@@ -341,4 +341,4 @@ def _mean_of_present(values: Iterable[float]) -> float:
 
 
 _PARTIAL_HINT = ("Every (type, source) of the taxonomy is needed for the published aggregates; "
-                 "--set vl_checklist.allow_partial=true scores the sources that are present")
+                 "options.vl_checklist.allow_partial=true scores the sources that are present")

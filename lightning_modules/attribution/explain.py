@@ -9,8 +9,8 @@ image-text pairs.
 One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overlaid
 (docs/methods.md#grad-eclip-explanations; `--heads` chooses the paper's single-head map or our multi-head variant)
 and a bar chart of the text attribution (`--attribution`, any of `attribution.ATTRIBUTIONS`, renormalised to sum 1
-over the caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (same stem) and a table on stdout hold the
-numbers.
+over the caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (`--out cat.png` or `--out cat`: cat.png
+and cat.json) and a table on stdout hold the numbers.
 
 The model sees, by `--resize`: "aspect" (default, Grad-ECLIP's explanations): the whole image at its own size
 and aspect ratio, its shorter side first brought down to 640 pixels when longer, each side then resized
@@ -39,6 +39,7 @@ from torch import Tensor
 from torchvision import transforms
 from torchvision.transforms import InterpolationMode
 
+from core.cli import add_output, output_paths
 from core.encoders import BuiltModel, CLIPEncoders, build_model
 from core.files import atomic_write_bytes, atomic_write_text
 from lightning_modules.attribution.library import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
@@ -95,7 +96,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--resize", default="aspect", choices=RESIZES,
                         help="model input: the whole image, aspect kept, sides rounded to the patch size (aspect, "
                              "the original's explanations) or the validation transform's square crop (ours)")
-    parser.add_argument("--out", type=Path, default=Path("explain.png"), help="PNG; the JSON goes beside it")
+    add_output(parser, "formats", default=Path("explain.png"),
+               help="the PNG and the JSON, each with its own suffix (default explain.png and explain.json)")
     parser.add_argument("--device", default="cpu")
     return parser.parse_args(argv)
 
@@ -270,13 +272,13 @@ def attribution_table(rows: Sequence[Explanation], method: str) -> str:
     return "\n".join(lines)
 
 
-def save(out: Path, figure: Figure, report: dict) -> Path:
-    """The PNG at `out` and the JSON beside it (same stem), both written atomically; returns the JSON path."""
+def save(out: Path, figure: Figure, report: dict) -> Dict[str, Path]:
+    """The PNG and the JSON of `--out` (`output_paths`), both written atomically; returns them by suffix."""
+    paths = output_paths(out, (".png", ".json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out, png_bytes(figure))
-    json_path = out.with_suffix(".json")
-    atomic_write_text(json_path, json.dumps(report, indent=2))
-    return json_path
+    atomic_write_bytes(paths[".png"], png_bytes(figure))
+    atomic_write_text(paths[".json"], json.dumps(report, indent=2))
+    return paths
 
 
 def run_report(args: argparse.Namespace, built: BuiltModel, options: AttributionOptions,
@@ -297,9 +299,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     pixels, ids = prepare_inputs(built, image, args.text, torch.device(args.device), args.resize)
     rows = explain(built, pixels, ids, args.text, args.attribution, options)
     figure = plot(display_image(pixels[0], built.preprocess_val), rows, args.attribution, args.heads)
-    json_path = save(args.out, figure, run_report(args, built, options, rows))
+    paths = save(args.out, figure, run_report(args, built, options, rows))
     print(attribution_table(rows, args.attribution))
-    print(f"wrote {args.out} and {json_path}")
+    print(f"wrote {paths['.png']} and {paths['.json']}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# The options are the config schema's `method.attribution` (CLIP-CAE) and `monitor.attribution` sections (fields and defaults documented there).
+# The options are the config schema's `method.attribution` (CLIP-CAE) and `monitor.attribution` sections (fields
+# and defaults documented there).
 from core.config import AttributionConfig as AttributionOptions
 from core.encoders import AttentionTrace, CLIPEncoders, TextFeatures, run_block
 

@@ -166,8 +166,8 @@ class SmartCLIP(CompositionalCLIPModule):
     Config: method.modular_weight (10), method.sparsity_weight (2), method.modular_temperature (100),
     method.hard_mask (straight-through binary mask, else the sigmoid), method.mask_positions ("all" [official]
     or "caption" [ours]), method.hard_negatives.captions (NegCLIP's hard captions as extra sidm columns
-    [ours]); the mask network is the head group (optim.head_lr 1e-3, head_weight_decay 0, head_warmup_steps 0 in the SmartCLIP
-    configs).
+    [ours]); the mask network is the head group (optim.head_lr 1e-3, head_weight_decay 0, head_warmup_steps 0 in
+    the SmartCLIP configs).
     """
 
     uses_hard_negatives = True

@@ -1,4 +1,4 @@
-"""`python -m lightning_modules.study --sweep runs/sweeps/NAME [--data DIR] [--out DIR]`: the study's report.
+"""`python -m lightning_modules.study --sweep runs/sweeps/NAME [--data-root DIR] [--out DIR]`: the study's report.
 
 A study is a sweep (`slurm/sweep.py`) whose grid axes follow one convention:
 - `method`: the method (its label, e.g. `method-clip_ft` -> `clip_ft`, names a report row);
@@ -10,7 +10,7 @@ A study is a sweep (`slurm/sweep.py`) whose grid axes follow one convention:
 Settings come from the sweep file's `study:` block (copied into sweep.json), every key optional but `data`:
 
     study:
-      data: data/shapes_study          # the world (--data overrides); relative paths from the current directory
+      data: data/shapes_study          # the world (--data-root overrides); relative paths from the current directory
       baseline: clip_ft                # the method every fine-tuning method is compared with, per condition
       selection: {split: val, metric: group}   # the split and metric the setting is chosen on
       splits: [test, test_unseen]      # the reporting splits (never used for selection)
@@ -42,8 +42,9 @@ What it does, in order:
    (frozen-backbone methods and the other frozen rows against the frozen reference); with `contrast`, also of
    each method in `contrast.condition` against the same method in `contrast.reference` (seeds paired by label:
    what, say, the hard negatives add to each method, the baseline included).
-5. Writes `<out or sweep>/report/`: results.md, results.csv, differences.csv, scores_<split>.png,
-   validation_curves.png and tb_hparams/ (`tensorboard --logdir <sweep>/report/tb_hparams`): report.py;
+5. Writes the report folder (`--out`, default `<sweep>/report/`): results.md, results.csv, differences.csv,
+   scores_<split>.png, validation_curves.png and tb_hparams/ (`tensorboard --logdir <sweep>/report/tb_hparams`):
+   report.py;
    with `validity`, its section in results.md (also printed), rows in results.csv and validity.json.
 
 Each run's scores are cached in `<run>/study_eval.json` with the per-item outcomes they were computed from (an
@@ -65,6 +66,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from core.cli import add_data_root, add_output, refuse_renamed
 from core.files import atomic_write_text
 from lightning_modules.study.runs import RUN_LOG, SWEEP_FILE, export_complete
 from lightning_modules.study.stats import DEFAULT_RESAMPLES, Interval, paired_bootstrap, seed_interval
@@ -164,7 +166,7 @@ def parse_settings(study: Mapping[str, object], data: Optional[Path] = None) -> 
     bootstrap = _mapping(study.get("bootstrap"), "study.bootstrap", BOOTSTRAP_KEYS)
     root = data if data is not None else study.get("data")
     if root is None:
-        raise StudyError("no world to score: set study.data in the sweep file or pass --data")
+        raise StudyError("no world to score: set study.data in the sweep file or pass --data-root")
     splits = study.get("splits", StudySettings.splits)
     if not isinstance(splits, (list, tuple)) or not splits or not all(isinstance(s, str) for s in splits):
         raise StudyError(f"study.splits must be a non-empty list of split names, got {splits!r}")
@@ -342,7 +344,7 @@ def check_grid(study: Study) -> None:
         raise StudyError(f"study.contrast names conditions {absent} that the grid does not have; its conditions: "
                          f"{study.conditions()}")
     if not settings.data.is_dir():
-        raise StudyError(f"the world {settings.data} does not exist (study.data or --data)")
+        raise StudyError(f"the world {settings.data} does not exist (study.data or --data-root)")
 
 
 # ----- scoring and its cache --------------------------------------------------------------------------------
@@ -817,12 +819,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--sweep", required=True, type=Path, help="the sweep directory (holding sweep.json)")
-    parser.add_argument("--data", type=Path, help="the world to score (default: study.data of the sweep)")
-    parser.add_argument("--out", type=Path, help="write the report to OUT/report/ (default: SWEEP/report/)")
+    add_data_root(parser, help="the world to score (default: study.data of the sweep)")
+    add_output(parser, "folder", help="the report folder (default: SWEEP/report/)")
     parser.add_argument("--recompute", action="store_true", help="score everything again, ignoring the caches")
     parser.add_argument("--mechanism-limit", type=int, help="captions per mechanism measurement (default 256)")
     parser.add_argument("--mechanism-splits", help="comma-separated splits to measure mechanisms on (default: all "
                                                    "reporting splits)")
+    refuse_renamed(parser, {"--data": "--data-root DIR"})
     return parser.parse_args(argv)
 
 
@@ -831,11 +834,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
 
     args = parse_args(argv)
     try:
-        study = load_study(args.sweep, args.data)
+        study = load_study(args.sweep, args.data_root)
         evaluations, selections = evaluate_study(study, mechanisms=load_mechanisms(
             args.mechanism_limit, args.mechanism_splits.split(",") if args.mechanism_splits else None),
             recompute=args.recompute)
-        results = write_report(study, evaluations, selections, (args.out or args.sweep) / "report")
+        results = write_report(study, evaluations, selections, args.out or args.sweep / "report")
     except StudyError as err:
         raise SystemExit(f"study error: {err}") from None
     print(f"report: {results}")
