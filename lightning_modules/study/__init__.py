@@ -1,4 +1,4 @@
-"""The method study over a sweep (`python -m lightning_modules.study --sweep DIR`, README "Method study").
+"""The method study over a sweep (`python -m lightning_modules.study --sweep DIR`, docs/study.md).
 
 - `command.py`: the command: scores every run of the sweep (cached per run with its per-item outcomes), chooses
   each method's setting on the validation split, scores the chosen runs on the reporting splits.
