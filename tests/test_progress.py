@@ -17,7 +17,7 @@ from core.encoders import build_model
 from datamodules import features
 from evaluation.aligner import AlignerScorer, TokenAligner
 from evaluation.benchmarks.base import ImageRef
-from lightning_modules import demo
+from study import demo
 from lightning_modules.fit import run
 from fitting import TINY, tiny_config
 
