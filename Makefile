@@ -39,7 +39,7 @@ demo: setup $(SHAPES)/annotations/heldout.json
 	$(PY) -m lightning_modules.fit --config configs/demo/smartclip.yaml
 	$(PY) -m datamodules.features --config configs/demo/tflocal.yaml
 	$(PY) -m lightning_modules.fit --config configs/demo/tflocal.yaml
-	$(PY) -m lightning_modules.demo --data-root $(SHAPES) --out runs/demo_results.json \
+	$(PY) -m study.demo --data-root $(SHAPES) --out runs/demo_results.json \
 		runs.pretrained=runs/demo_pretrain runs.clip_ft=runs/demo_clip_ft runs.cae_attention=runs/demo_cae \
 		runs.macco=runs/demo_macco runs.smartclip=runs/demo_smartclip runs.tflocal=runs/demo_tflocal \
 		runs.sgi_pretrained=runs/demo_pretrain@sgi
@@ -81,7 +81,7 @@ study: setup $(STUDY)/annotations/heldout.json
 	$(PY) -m datamodules.features --config configs/study/finetune.yaml --config configs/study/with_negatives.yaml \
 		--config configs/study/tflocal.yaml
 	$(PY) -m slurm.sweep configs/sweeps/study.yaml --local --jobs $(STUDY_JOBS)
-	$(PY) -m lightning_modules.study --sweep runs/study/sweep --mechanism-limit 64 --mechanism-splits test
+	$(PY) -m study --sweep runs/study/sweep --mechanism-limit 64 --mechanism-splits test
 
 $(STUDY)/annotations/heldout.json: | $(STAMP)
 	$(PY) -m datamodules.shapes --out $(STUDY) --n-train 4000 --n-val 500 --image-size 64 --seed $(STUDY_SEED)
@@ -104,7 +104,7 @@ study-long: setup $(STUDY_LONG)/annotations/heldout.json
 		--config configs/study/with_negatives.yaml --config configs/study/tflocal.yaml \
 		data.features_cache=cache/study_long_features
 	$(PY) -m slurm.sweep configs/sweeps/study_long.yaml --local --jobs $(STUDY_JOBS) $(STUDY_ONLY)
-	$(PY) -m lightning_modules.study --sweep runs/study_long/sweep --mechanism-limit 64 --mechanism-splits test
+	$(PY) -m study --sweep runs/study_long/sweep --mechanism-limit 64 --mechanism-splits test
 
 $(STUDY_LONG)/annotations/heldout.json: | $(STAMP)
 	$(PY) -m datamodules.shapes --out $(STUDY_LONG) --n-train 4000 --n-val 500 --image-size 32 --seed $(STUDY_SEED) \

@@ -26,7 +26,7 @@ and `16-mixed` (autocast over float32 weights; `autocast_dtype`). Lightning's ow
 
 Key=value settings. One form: positional `KEY=VALUE` arguments, interleaved with the options in any order, later
 ones winning. Where a command reads an experiment config they are its dotlist overrides, merged over the
-`--config` files (fit, preprocess, features, perf.step, perf.loader, perf.term_gradients). Elsewhere they are
+`--config` files (fit, preprocess, features, perf.step, perf.loader, study.term_gradients). Elsewhere they are
 the command's own named settings under a few sections (`key_value_sections`): evaluate's `roots.NAME=DIR` and
 `options.NAME.OPTION=VALUE` (the keys of the config's `evaluation:` section) and `scorer.OPTION=VALUE`, the
 demo's `runs.LABEL=RUN_DIR`, the sweep's `only.AXIS=LABEL`. Positional dotted keys rather than repeatable

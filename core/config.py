@@ -33,7 +33,7 @@ class ModelConfig:
     # Extra open_clip model-config JSONs (tiny test/demo models) registered before building.
     config_dir: str = "configs/models"
     # Text context length; null = the model's own (77 for CLIP). Longer: Long-CLIP's positional-embedding
-    # stretch (lightning_modules/long_context.py; SmartCLIP's long-caption recipe uses 248): the first
+    # stretch (modeling/long_context.py; SmartCLIP's long-caption recipe uses 248): the first
     # `keep_positions` positions stay as they are and are frozen, the others are interpolated linearly
     # (context_length - keep_positions) / (own - keep_positions) times (an integer: 77 -> 248 is 4x). The
     # tokenizer, data and export follow (the export is named <model>-ctx<N>). A model already this long (such
@@ -47,7 +47,7 @@ class ModelConfig:
 
 @dataclass
 class AttributionConfig:
-    # Per-token text attribution (lightning_modules/attribution/library.py; docs/methods.md#attribution-kinds).
+    # Per-token text attribution (modeling/attribution.py; docs/methods.md#attribution-kinds).
     # Key of ATTRIBUTIONS:
     # attention | gradcam | perturbation | gradient | grad_eclip.
     name: str = "attention"

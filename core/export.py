@@ -27,7 +27,7 @@ def export_model(model: nn.Module, model_name: str, export_dir: Path, extra: Opt
     """Write the CLIP state dict (fp32) and its metadata atomically; return the weights path.
 
     `model_config` is the open_clip config the model was built with (default: the registered config of
-    `model_name`); a stretched text context (`lightning_modules.long_context`) exports its own, under its own
+    `model_name`); a stretched text context (`modeling.long_context`) exports its own, under its own
     name, so that plain open_clip builds the model and its tokenizer with the longer context.
     """
     export_dir.mkdir(parents=True, exist_ok=True)

@@ -5,11 +5,10 @@ per-item rule `outcome`, and its aggregates); `benchmarks/base.py` holds the rul
 is wrong) and the `Scorer` interface.
 
 - `benchmarks/`: the loaders, one file per benchmark family, `BENCHMARKS` by name (`benchmarks/__init__.py`);
-  `benchmarks/standin/` writes small stand-in files in each official format (tests, the demo, perf);
   `benchmarks/data/` holds the official exclusion lists.
 - `scorers.py`: the global-cosine `ClipScorer` (and the embedding / function scorers it builds on).
 - `sgi.py`: Structure-Guided Inference, a training-free scorer on a frozen CLIP.
-- `aligner.py`: the TFLocal / TFGlobal aligner (a plain nn.Module), its export format and `AlignerScorer`.
+- `aligner.py`: the TFLocal / TFGlobal aligner's export format and `AlignerScorer` (the module is in `modeling/`).
 - `harness.py`: runs benchmarks with a scorer, stores per-item outcomes, aggregates, writes the tables.
 - `provenance.py`: what was scored (training step, sha256 of the weights file), recorded with every result.
 - `evaluate.py` (also `__main__.py`): the CLI, `python -m evaluation.evaluate` = `python -m evaluation`.

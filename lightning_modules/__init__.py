@@ -4,10 +4,10 @@
 and CLIs that import this package only to look a method up must validate their inputs and fail within a second
 or two, before any of that.
 
-The training side of the layers (README "Layout"): this package builds on `evaluation` (benchmarks scored during
-training, the aligner the TFLocal module trains), `datamodules`, `parsers` and `core` (config schema, encoders,
-export), and only `slurm` and `perf` import it. The methods, one file each on `base.py`, are in `methods/`;
-attribution (the library, the training-time monitor and the heat-map CLI) is in `attribution/`.
+Training only (README "Layout"): this package builds on `evaluation` (benchmarks scored during training),
+`datamodules`, `modeling` (losses, attribution, long-context text, the aligner module), `parsers` and `core`
+(config schema, encoders, export); only `slurm`, `perf` and `study` import it. The methods, one file each on
+`base.py`, are in `methods/`; `monitor.py` is the attribution-gap callback; `fit.py` the training command.
 """
 from __future__ import annotations
 

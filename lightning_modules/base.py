@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from core.encoders import BuiltModel, CLIPEncoders, build_model
-from lightning_modules.long_context import (STRETCH_DTYPES, restore_kept_positions, stretch_text_context,
+from modeling.long_context import (STRETCH_DTYPES, restore_kept_positions, stretch_text_context,
                                             zero_kept_gradients)
 
 Terms = Dict[str, Tensor]

@@ -39,7 +39,7 @@ from evaluation.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData
 from evaluation.harness import build_benchmarks, default_roots
 from evaluation.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
 from lightning_modules import METHODS, load_run_config_or_exit, method_class
-from lightning_modules.attribution.monitor import build_attribution_monitor
+from lightning_modules.monitor import build_attribution_monitor
 from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
                                         SamplesPerSecond, run_progress_bar)

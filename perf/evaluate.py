@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from core.cli import add_data_root, add_output, add_precision, refuse_renamed
 from evaluation.benchmarks import build_benchmark
 from evaluation.benchmarks.base import ItemBenchmark, unique
-from evaluation.benchmarks.standin import STANDINS
+from testkit.standin import STANDINS
 from evaluation.harness import run_benchmark
 from evaluation.scorers import PRECISIONS, ClipScorer, Scorer
 from evaluation.sgi import CROP_SETS, SGIScorer, crops_per_image, parse_grids

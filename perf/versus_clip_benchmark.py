@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader
 
 from evaluation.benchmarks import build_benchmark
 from evaluation.benchmarks.base import unique
-from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
+from testkit.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
 from evaluation.benchmarks.sugarcrepe import SUBSETS
 from evaluation.harness import run_benchmark
 from evaluation.scorers import ClipScorer

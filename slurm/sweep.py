@@ -35,7 +35,7 @@ it needs). A problem in any run stops the command, naming each run (task index a
 a warning (a login node may not see what the compute nodes read; fit checks them again where each run starts),
 and an error with `--local`, whose runs read them here.
 
-An optional `study:` mapping (settings of the study report, `python -m lightning_modules.study`, which validates
+An optional `study:` mapping (settings of the study report, `python -m study`, which validates
 it) is copied into sweep.json unchanged.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ import yaml
 from core.cli import add_key_values, key_value_sections, refuse_renamed
 from core.config import ConfigError
 from core.files import atomic_write_text
-from lightning_modules.study.runs import RUN_LOG, SWEEP_FILE, export_complete
+from slurm.runs import RUN_LOG, SWEEP_FILE, export_complete
 
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
                   "mem": None, "max_parallel": None, "extra": []}

@@ -23,7 +23,7 @@ from collections import Counter
 
 from core.encoders import CLIPEncoders, build_model
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
-from lightning_modules.attribution.library import (
+from modeling.attribution import (
                                                    ATTRIBUTIONS,
                                                    AttributionOptions,
                                                    TextAttributionInputs,

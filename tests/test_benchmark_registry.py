@@ -9,7 +9,7 @@ import torch
 
 from evaluation import evaluate
 from evaluation.benchmarks import BENCHMARKS, COMBINED, CombinedAggregate, build_benchmark
-from evaluation.benchmarks.standin import STANDINS
+from testkit.standin import STANDINS
 from evaluation.harness import reaggregate, run_benchmark
 from evaluation.scorers import ClipScorer
 

@@ -29,7 +29,7 @@ from evaluation.benchmarks.perturbations import (
     shuffle_within_trigrams,
     tag_captions,
 )
-from evaluation.benchmarks.standin.aro import (
+from testkit.standin.aro import (
     COMMON_PAIR,
     KEPT_RELATIONS,
     RELATIONS,

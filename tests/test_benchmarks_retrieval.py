@@ -14,7 +14,7 @@ from evaluation.benchmarks.aro import pre_caption
 from evaluation.benchmarks.base import MissingBenchmarkData
 from evaluation.benchmarks.images import load_image
 from evaluation.benchmarks.retrieval import CocoRetrieval, Flickr30kRetrieval, retrieval_ranks
-from evaluation.benchmarks.standin.retrieval import write_coco_retrieval, write_flickr30k_retrieval
+from testkit.standin.retrieval import write_coco_retrieval, write_flickr30k_retrieval
 from evaluation.scorers import ClipScorer, FunctionScorer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"

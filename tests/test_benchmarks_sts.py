@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from evaluation.benchmarks.base import MissingBenchmarkData
-from evaluation.benchmarks.standin.sts import write_sickr, write_stsb
+from testkit.standin.sts import write_sickr, write_stsb
 from evaluation.benchmarks.sts import STSB, SickR, spearman
 from evaluation.scorers import ClipScorer, Scorer
 

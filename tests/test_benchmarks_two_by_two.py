@@ -18,7 +18,7 @@ from PIL import Image
 from datamodules.shapes import generate, load_swap_items
 from evaluation.benchmarks.base import ImageRef, MissingBenchmarkData
 from evaluation.benchmarks.images import load_image
-from evaluation.benchmarks.standin import two_by_two as standin
+from testkit.standin import two_by_two as standin
 from evaluation.benchmarks.two_by_two import BiSCoRCtrl, BiVLC, ShapesSwap, Winoground, two_by_two_scores
 from evaluation.scorers import ClipScorer, FunctionScorer
 

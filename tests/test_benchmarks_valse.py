@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from evaluation.benchmarks.base import ImageRef, MissingBenchmarkData
-from evaluation.benchmarks.standin.valse import write_valse
+from testkit.standin.valse import write_valse
 from evaluation.benchmarks.valse import PIECES, Valse
 from evaluation.scorers import FunctionScorer
 

@@ -10,7 +10,7 @@ import pytest
 
 from evaluation import evaluate
 from evaluation.benchmarks.base import ImageRef, MissingBenchmarkData
-from evaluation.benchmarks.standin.vlchecklist import official_paths, write_vl_checklist
+from testkit.standin.vlchecklist import official_paths, write_vl_checklist
 from evaluation.benchmarks.vlchecklist import TAXONOMY, VLCheckList, dataset_of, first_with_image
 from evaluation.scorers import FunctionScorer
 

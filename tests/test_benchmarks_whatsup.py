@@ -10,7 +10,7 @@ import pytest
 
 from evaluation import evaluate
 from evaluation.benchmarks.base import MissingBenchmarkData
-from evaluation.benchmarks.standin import whatsup as standin
+from testkit.standin import whatsup as standin
 from evaluation.benchmarks.whatsup import (
     WHATSUP_BENCHMARKS,
     WhatsUpA,

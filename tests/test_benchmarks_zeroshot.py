@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from evaluation.benchmarks.base import MissingBenchmarkData
 from evaluation.benchmarks.images import load_image
-from evaluation.benchmarks.standin.zeroshot import CLASS_NAMES, write_zeroshot
+from testkit.standin.zeroshot import CLASS_NAMES, write_zeroshot
 from evaluation.benchmarks.zeroshot import ZeroShotClassification, class_ranks
 from evaluation.scorers import ClipScorer, FunctionScorer
 

@@ -26,7 +26,8 @@ import pytest
 from core import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "parsers", "datamodules", "evaluation", "lightning_modules", "slurm", "perf")
+PACKAGES = ("core", "parsers", "modeling", "datamodules", "evaluation", "lightning_modules", "testkit", "slurm", "perf",
+            "study")
 MAIN_GUARD = re.compile(r"""^if __name__ == ["']__main__["']:""", re.MULTILINE)
 # Options no command may show: each was one of the dialects.
 FORBIDDEN = {"--json", "--md", "--report", "--write-exclusions", "--set", "--root", "--scorer-option", "--only",
@@ -90,10 +91,10 @@ def refusal(name: str, argv: List[str], capsys) -> str:
 
 def test_the_entry_points_are_found():
     assert len(ENTRY_POINTS) >= 19
-    assert {"lightning_modules.fit", "lightning_modules.study", "lightning_modules.attribution.explain",
-            "lightning_modules.demo", "evaluation", "evaluation.evaluate", "evaluation.leakage", "datamodules.shapes",
+    assert {"lightning_modules.fit", "study", "evaluation.explain",
+            "study.demo", "evaluation", "evaluation.evaluate", "evaluation.leakage", "datamodules.shapes",
             "datamodules.preprocess", "datamodules.features", "slurm.sweep", "perf.gpu", "perf.step",
-            "perf.term_gradients"} <= set(ENTRY_POINTS)
+            "study.term_gradients"} <= set(ENTRY_POINTS)
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
@@ -124,7 +125,7 @@ def test_help_runs_and_the_options_speak_the_dialect(name, capsys):
 RENAMED = [
     ("perf.gpu", ["--json", "x.json"], "--json was renamed: use --out PATH (writes PATH.json and PATH.md)"),
     ("perf.gpu", ["--md", "x.md"], "--md was renamed: use --out PATH"),
-    ("perf.term_gradients", ["--json", "x.json"], "--json was renamed: use --out FILE"),
+    ("study.term_gradients", ["--json", "x.json"], "--json was renamed: use --out FILE"),
     ("evaluation.leakage", ["--train", "t.json", "--write-exclusions", "x.json"],
      "--write-exclusions was renamed: use --out DIR (writes DIR/exclude_image_ids.json)"),
     ("evaluation.leakage", ["--train", "t.json", "--report", "x.json"],
@@ -139,10 +140,10 @@ RENAMED = [
     ("perf.step", ["--precision", "32"], "'32' was renamed: use 32-true"),
     ("perf.step", ["--precision", "bf16"], "'bf16' was renamed: use bf16-mixed"),
     ("perf.evaluate", ["--root", "x"], "--root was renamed: use --data-root DIR"),
-    ("lightning_modules.demo", ["--data", "w", "runs.a=r"], "--data was renamed: use --data-root DIR"),
-    ("lightning_modules.demo", ["--data-root", "w", "--run", "a=r"], "--run was renamed: use runs.LABEL=RUN_DIR"),
-    ("lightning_modules.study", ["--sweep", "s", "--data", "w"], "--data was renamed: use --data-root DIR"),
-    ("perf.relation_text_probe", ["--data", "w"], "--data was renamed: use --data-root DIR"),
+    ("study.demo", ["--data", "w", "runs.a=r"], "--data was renamed: use --data-root DIR"),
+    ("study.demo", ["--data-root", "w", "--run", "a=r"], "--run was renamed: use runs.LABEL=RUN_DIR"),
+    ("study", ["--sweep", "s", "--data", "w"], "--data was renamed: use --data-root DIR"),
+    ("study.relation_text_probe", ["--data", "w"], "--data was renamed: use --data-root DIR"),
     ("slurm.sweep", ["s.yaml", "--only", "method=x"], "--only was renamed: use only.AXIS=LABEL"),
 ]
 
@@ -155,7 +156,7 @@ def test_each_old_spelling_is_refused_naming_the_new_one(name, argv, pointer, ca
 @pytest.mark.parametrize("name, argv, message", [
     ("evaluation.evaluate", ["sugarcrepe.images=x"], "the key=value arguments of this command are roots.NAME=DIR, "
                                                      "options.NAME.OPTION=VALUE, scorer.OPTION=VALUE"),
-    ("lightning_modules.demo", ["--data-root", "w", "a=r"], "are runs.LABEL=RUN_DIR[@SCORER]"),
+    ("study.demo", ["--data-root", "w", "a=r"], "are runs.LABEL=RUN_DIR[@SCORER]"),
     ("slurm.sweep", ["s.yaml", "method=x"], "are only.AXIS=LABEL[,LABEL...]"),
 ])
 def test_a_key_outside_the_commands_sections_names_them(name, argv, message, capsys):

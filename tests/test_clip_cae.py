@@ -14,10 +14,10 @@ from core.config import REPO_ROOT
 from lightning_modules import load_run_config
 from datamodules.shapes import generate
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
-from lightning_modules.attribution.library import (ATTRIBUTIONS, TextAttributionInputs, attribution_options,
+from modeling.attribution import (ATTRIBUTIONS, TextAttributionInputs, attribution_options,
                                                    text_attribution)
 from lightning_modules.fit import run
-from lightning_modules.losses import cae_attribution_loss
+from modeling.losses import cae_attribution_loss
 from lightning_modules.methods.clip_cae import VOCABULARY_KEY, ClipCAE
 from parsers.scene_graph import SceneGraphParser
 from parsers.token_alignment import spans_to_token_mask

@@ -9,7 +9,7 @@ import torch
 from core.encoders import build_model
 from core.export import export_model
 from datamodules.shapes import generate
-from lightning_modules.demo import COLUMNS, evaluate_export, markdown_table
+from study.demo import COLUMNS, evaluate_export, markdown_table
 
 
 def test_evaluate_export_end_to_end(tmp_path, monkeypatch):
@@ -28,7 +28,7 @@ def test_evaluate_export_end_to_end(tmp_path, monkeypatch):
 
 
 def test_a_row_scored_with_sgi_and_the_run_syntax(tmp_path):
-    from lightning_modules.demo import parse_args, parse_run
+    from study.demo import parse_args, parse_run
 
     args = parse_args(["runs.sgi=runs/x@sgi", "--data-root", "world", "runs.ft=runs/y"])
     assert [parse_run(label, target) for label, target in args.runs.items()] == [

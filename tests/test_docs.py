@@ -182,8 +182,8 @@ def test_no_file_cites_the_private_notes():
 
 # ----- what the pages tell a reader to type ------------------------------------------------------------------------
 # Top-level folders whose files a page may name by path, and the repository's packages (`python -m` targets).
-PATH_ROOTS = ("core", "parsers", "datamodules", "evaluation", "lightning_modules", "slurm", "perf", "configs",
-              "tests", "docs")
+PATH_ROOTS = ("core", "parsers", "modeling", "datamodules", "evaluation", "lightning_modules", "testkit", "slurm",
+              "perf", "study", "configs", "tests", "docs")
 TOP_LEVEL_FILES = ("Makefile", "requirements.txt", "setup.cfg", "pyproject.toml", "README.md")
 # `python -m` modules of other projects that the pages may name.
 EXTERNAL_MODULES = {"pip", "venv", "pytest", "spacy"}
@@ -270,7 +270,7 @@ def help_texts() -> Dict[str, Tuple[object, str]]:
 
 def test_the_pages_name_the_main_commands():
     named = set(documented_commands())
-    assert {"lightning_modules.fit", "datamodules.preprocess", "evaluation.evaluate", "slurm.sweep",
+    assert {"lightning_modules.fit", "datamodules.preprocess", "evaluation.evaluate", "slurm.sweep", "study",
             "lightning_modules.config_docs"} <= named
 
 

@@ -16,8 +16,8 @@ from core.export import export_model
 from evaluation import evaluate, leakage
 from evaluation.benchmarks import BENCHMARKS, Benchmark, build_benchmark
 from evaluation.benchmarks.base import ImageRef, coco_id_from_name
-from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
-from evaluation.benchmarks.standin.valse import write_valse
+from testkit.standin.sugarcrepe import write_sugarcrepe
+from testkit.standin.valse import write_valse
 from evaluation.benchmarks.sugarcrepe import SUBSETS
 from evaluation.harness import read_outcomes, reaggregate, run_benchmark
 from evaluation.scorers import FunctionScorer
@@ -109,7 +109,7 @@ def test_the_real_sugarcrepe_files_through_the_cli_with_stand_in_images(tiny_run
         shutil.copy(SHARED / f"{subset}.json", root)
     names = {json.loads((root / f"{s}.json").read_text())[k]["filename"]
              for s in ("swap_obj",) for k in json.loads((root / f"{s}.json").read_text())}
-    from evaluation.benchmarks.standin.images import write_image
+    from testkit.standin.images import write_image
     for i, name in enumerate(sorted(names)):
         write_image(root / "val2017" / name, seed=i, size=(24, 24))
     keep = root / "swap_obj.json"
@@ -222,7 +222,7 @@ def test_valse_coreference_hard_images_are_not_coco(tmp_path):
 
 
 def test_evaluations_into_one_folder_accumulate_and_reaggregate_restores_the_tables(tiny_run, data_root, tmp_path):
-    from evaluation.benchmarks.standin.sts import write_sickr
+    from testkit.standin.sts import write_sickr
 
     assert write_sickr(data_root / "sickr", n_items=12) == {}
     out = tmp_path / "eval"

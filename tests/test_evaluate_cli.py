@@ -20,9 +20,9 @@ from core.encoders import build_model
 from core.export import export_model
 from evaluation import evaluate
 from evaluation.benchmarks import BENCHMARKS
-from evaluation.benchmarks.standin.sts import write_sickr, write_stsb
-from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
-from evaluation.benchmarks.standin.two_by_two import write_winoground
+from testkit.standin.sts import write_sickr, write_stsb
+from testkit.standin.sugarcrepe import write_sugarcrepe
+from testkit.standin.two_by_two import write_winoground
 from evaluation.harness import (build_benchmarks, default_roots, read_outcomes, rewrite_tables, run_benchmark,
                                 write_results)
 from evaluation.scorers import FunctionScorer

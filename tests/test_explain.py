@@ -14,10 +14,10 @@ from torchvision import transforms
 
 from core.encoders import CLIPEncoders, build_model
 from core.export import export_model, load_export
-from evaluation.benchmarks.standin.images import write_image
-from lightning_modules.attribution.explain import (display_image, explain, main, model_input, prepare_inputs,
+from testkit.standin.images import write_image
+from evaluation.explain import (display_image, explain, main, model_input, prepare_inputs,
                                                    token_pieces)
-from lightning_modules.attribution.library import (AttributionOptions, TextAttributionInputs, text_attribution,
+from modeling.attribution import (AttributionOptions, TextAttributionInputs, text_attribution,
                                                    word_end_table)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,7 +207,7 @@ def test_over_long_caption_warns_and_is_truncated(run_dir, image_path, tmp_path,
 
 
 def test_help_runs_as_a_module():
-    result = subprocess.run([sys.executable, "-m", "lightning_modules.attribution.explain", "--help"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "evaluation.explain", "--help"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "--attribution" in result.stdout and "grad_eclip" in result.stdout and "--heads" in result.stdout

@@ -17,55 +17,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from core.config import REPO_ROOT
 from lightning_modules import load_run_config
 from core.export import load_export
-from datamodules.shapes import generate
 from lightning_modules import METHODS
 from lightning_modules.base import NonFiniteLossError, total_loss
-from lightning_modules.fit import build_datamodule, build_module, run
+from lightning_modules.fit import build_module, run
+from fitting import (NEEDS_MASKS, STEPS_PER_EPOCH, TINY, NanAtStep, a_batch, exported_state, method_overrides,
+                     tiny_config)
 from tolerance import scaled_close
-
-TINY = "ViT-Tiny-16-64"
-STEPS_PER_EPOCH = 4  # 32 captions / batch 8
-
-
-@pytest.fixture(scope="session")
-def shapes_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shapes")
-    generate(root, n_train=16, n_val=8, image_size=64, seed=0)  # 2 captions per image
-    return root
-
-
-# Methods whose batches need the preprocessing cache's masks, with the tiny model's attribution settings.
-NEEDS_MASKS = {"clip_cae": ["method.attribution.eclip_layers=2"], "macco": []}
-
-
-@pytest.fixture(scope="session")
-def mask_cache(shapes_root, tmp_path_factory) -> Path:
-    """The preprocessing cache of the tiny shapes world (ground-truth grounder), built once."""
-    from datamodules.preprocess import run as run_preprocess
-
-    cache = tmp_path_factory.mktemp("mask_cache")
-    run_preprocess(tiny_config(shapes_root, cache, "data.masks=true", f"preprocess.cache_root={cache}"))
-    return cache
-
-
-def method_overrides(method: str, mask_cache: Path) -> list:
-    if method not in NEEDS_MASKS:
-        return [f"method.name={method}"]
-    return [f"method.name={method}", "data.masks=true", f"preprocess.cache_root={mask_cache}", *NEEDS_MASKS[method]]
-
-
-def tiny_config(shapes_root: Path, runs_root: Path, *overrides: str):
-    return load_run_config([REPO_ROOT / "configs" / "demo" / "pretrain.yaml"], [
-        f"model.name={TINY}", f"data.root={shapes_root}", f"runs_root={runs_root}", "data.batch_size=8",
-        "data.num_workers=0", "trainer.enable_progress_bar=false", "optim.warmup_steps=2", "optim.lr=1e-3",
-        "trainer.log_every_n_steps=1", "data.masks=false", *overrides])
-
-
-def a_batch(module, cfg) -> dict:
-    datamodule = build_datamodule(cfg, module)
-    datamodule.setup("fit")
-    return next(iter(datamodule.train_dataloader()))
-
 
 @pytest.mark.parametrize("method,precision", [(name, "32-true") for name in sorted(METHODS)] +
                          [("clip_ft", "bf16-mixed")])
@@ -116,10 +73,6 @@ class StopAfter(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step >= self.steps:
             trainer.should_stop = True
-
-
-def exported_state(run_dir: Path) -> dict:
-    return torch.load(run_dir / "export" / "open_clip.pt")
 
 
 @pytest.mark.parametrize("stop, workers", [(STEPS_PER_EPOCH, 0), (3, 0), (6, 2)])
@@ -191,15 +144,6 @@ def test_best_checkpoint_and_tensorboard_and_resolved_config(shapes_root, tmp_pa
     assert len(events.Scalars("train/itc_loss")) == 2 * STEPS_PER_EPOCH  # logged every step
     saved = load_run_config([run_dir / "config.yaml"], base=None, saved=True)
     assert saved.model.name == TINY and saved.data.batch_size == 8
-
-
-class NanAtStep(L.Callback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            batch["image"].fill_(float("nan"))
 
 
 def test_non_finite_loss_stops_with_the_step_and_terms_and_keeps_the_checkpoint(shapes_root, tmp_path):
@@ -322,7 +266,7 @@ class TrainingModeAtEveryStep(L.Callback):
 
 
 def test_benchmarks_are_scored_during_training_and_logged(shapes_root, tmp_path):
-    from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+    from testkit.standin.sugarcrepe import write_sugarcrepe
 
     write_sugarcrepe(tmp_path / "bench" / "sugarcrepe", n_items=14)
     modes = TrainingModeAtEveryStep()
@@ -346,7 +290,7 @@ def test_a_missing_evaluation_benchmark_stops_before_training(shapes_root, tmp_p
 
 
 def test_fit_adds_the_attribution_monitor_from_the_config(shapes_root, tmp_path):
-    from lightning_modules.attribution.monitor import AttributionMonitor
+    from lightning_modules.monitor import AttributionMonitor
 
     trainer = run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=2", "monitor.every_n_steps=2",
                               "monitor.attributions=[attention]", "monitor.probe_size=4", "monitor.overlay_images=1"))
@@ -541,7 +485,7 @@ def leaky(tmp_path, monkeypatch):
     """A COCO-format training set holding 3 images of the SugarCrepe stand-in scored during training; returns
     (config overrides, the 3 shared ids). Building the model raises `Started`."""
     from evaluation.benchmarks import build_benchmark
-    from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+    from testkit.standin.sugarcrepe import write_sugarcrepe
 
     write_sugarcrepe(tmp_path / "bench" / "sugarcrepe", n_items=14)
     shared = sorted(build_benchmark("sugarcrepe", tmp_path / "bench" / "sugarcrepe").coco_image_ids())[:3]

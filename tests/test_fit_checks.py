@@ -9,7 +9,7 @@ import pytest
 from core.config import REPO_ROOT
 from lightning_modules import load_run_config
 from lightning_modules import METHODS, fit
-from test_fit import NEEDS_MASKS, TINY, shapes_root  # noqa: F401 (fixture)
+from fitting import NEEDS_MASKS, TINY
 
 PRETRAIN = str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml")
 
@@ -62,7 +62,7 @@ def test_a_benchmark_name_typo_is_refused_with_the_closest(shapes_root, tmp_path
 
 # Every CLI that takes --config files and key=value overrides.
 CONFIG_CLIS = ["lightning_modules.fit", "datamodules.preprocess", "datamodules.features", "perf.loader",
-               "perf.term_gradients"]
+               "study.term_gradients"]
 
 
 @pytest.mark.parametrize("module", CONFIG_CLIS)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from core.encoders import CLIPEncoders
-from lightning_modules.attribution.library import (AttributionOptions, TextAttributionInputs, image_grad_eclip,
+from modeling.attribution import (AttributionOptions, TextAttributionInputs, image_grad_eclip,
                                                    image_grad_eclip_grid, min_max, text_attribution)
 from tolerance import assert_scaled_close, scaled_close
 

@@ -13,7 +13,7 @@ from core.config import REPO_ROOT
 from datamodules import features
 from datamodules.inputs import InputError, check_data_inputs, check_feature_inputs, check_preprocess_inputs
 from parsers.grounding import GrounderInputError, NoGrounder, build_grounder
-from test_fit import shapes_root, tiny_config  # noqa: F401 (fixture)
+from fitting import tiny_config
 
 DEMO = str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml")
 

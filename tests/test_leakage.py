@@ -11,11 +11,11 @@ import pytest
 
 from evaluation import leakage
 from evaluation.benchmarks import build_benchmark
-from evaluation.benchmarks.standin.aro import write_aro_vg_relation
-from evaluation.benchmarks.standin.two_by_two import write_bivlc
-from evaluation.benchmarks.standin.valse import write_valse
-from evaluation.benchmarks.standin.vlchecklist import write_vl_checklist
-from evaluation.benchmarks.standin.whatsup import write_whatsup_gqa_one
+from testkit.standin.aro import write_aro_vg_relation
+from testkit.standin.two_by_two import write_bivlc
+from testkit.standin.valse import write_valse
+from testkit.standin.vlchecklist import write_vl_checklist
+from testkit.standin.whatsup import write_whatsup_gqa_one
 
 def coco_captions(path: Path, image_ids, names=None) -> Path:
     """A COCO captions file of `image_ids`, their files named `names` (default: COCO 2017 names)."""
@@ -152,7 +152,7 @@ def test_a_malformed_id_map_is_refused_in_one_line_before_any_work(tmp_path, con
 def test_the_report_lists_what_it_could_not_check(tmp_path, vg_benchmarks, capsys):
     """VALSE's SWiG and VisDial-2018 images are named by neither COCO nor VG: listed as not checked, with
     examples; a benchmark of COCO images only has no such line."""
-    from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+    from testkit.standin.sugarcrepe import write_sugarcrepe
 
     write_sugarcrepe(tmp_path / "bench" / "sugarcrepe", n_items=7)
     train = coco_captions(tmp_path / "train.json", [1])
@@ -195,7 +195,7 @@ def test_fit_guard_warns_about_visual_genome_images_it_cannot_check(vg_benchmark
 def test_identical_files_under_other_names_are_found_by_content_and_cached(tmp_path, capsys):
     """A Flickr30k-named benchmark image whose bytes are a training file's is found with --hash-images, and the
     training image's id goes to the exclusions; a second run reads every digest from the cache."""
-    from evaluation.benchmarks.standin.aro import write_aro_flickr_order
+    from testkit.standin.aro import write_aro_flickr_order
 
     options = write_standin(tmp_path, "aro_flickr_order", write_aro_flickr_order, n_items=10)
     benchmark = build_benchmark("aro_flickr_order", tmp_path / "bench" / "aro_flickr_order", **options)

@@ -8,13 +8,13 @@ import json
 import open_clip
 import pytest
 import torch
-from test_fit import shapes_root, tiny_config  # noqa: F401  (shapes_root is a fixture)
+from fitting import tiny_config
 from tolerance import scaled_close
 
 from lightning_modules import load_run_config
 from core.encoders import build_model
 from lightning_modules.fit import build_datamodule, run
-from lightning_modules.long_context import stretch_factor, stretch_positional_embedding, stretched_model_name
+from modeling.long_context import stretch_factor, stretch_positional_embedding, stretched_model_name
 from lightning_modules.methods.smartclip import SmartCLIP
 
 TINY = "ViT-Tiny-16-64"  # 77 text positions, width 64
@@ -23,7 +23,7 @@ LONG_CAPTION = " ".join(["a red cube left of a blue ball"] * 14)
 
 
 def reference_stretch(old: torch.Tensor, keep: int, factor: int) -> torch.Tensor:
-    """Long-CLIP's stretch, position by position as its formula reads (lightning_modules/long_context.py)."""
+    """Long-CLIP's stretch, position by position as its formula reads (modeling/long_context.py)."""
     length = old.shape[0]
     rows = [old[p] for p in range(keep)]
     for p in range(keep, length - 1):  # interpolated between p and p + 1

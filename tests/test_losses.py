@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from lightning_modules.losses import ClipLoss, cae_batch_attribution_loss, masked_contrastive_loss
+from modeling.losses import ClipLoss, cae_batch_attribution_loss, masked_contrastive_loss
 from tolerance import scaled_close
 
 BATCH, DIM, NEGATIVES, WORLD = 4, 6, 2, 2

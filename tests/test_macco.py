@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_fit import mask_cache, shapes_root, tiny_config  # noqa: F401 (pytest fixtures)
+from fitting import tiny_config
 
 from core.config import REPO_ROOT
 from lightning_modules import load_run_config
@@ -22,7 +22,7 @@ from core.export import load_export
 from lightning_modules import METHODS
 from lightning_modules.base import total_loss
 from lightning_modules.fit import run
-from lightning_modules.losses import (masked_contrastive_loss, masked_patch_loss, masked_token_loss,
+from modeling.losses import (masked_contrastive_loss, masked_patch_loss, masked_token_loss,
                                       normalised_patch_targets, patchify)
 from lightning_modules.methods.macco import MaccoCLIP, padding_positions, run_stack, sincos_2d_positions
 from tolerance import scaled_close

@@ -20,7 +20,7 @@ from core.config import REPO_ROOT, save_config
 from lightning_modules import METHODS, load_run_config
 from datamodules.shapes import caption_from_dict, generate, load_scene_graphs
 from lightning_modules.fit import run
-from lightning_modules.study.mechanisms import (MECHANISMS, MechanismError, SplitFiles, jaccard, jaccard_matrix,
+from study.mechanisms import (MECHANISMS, MechanismError, SplitFiles, jaccard, jaccard_matrix,
                                                 load_run, macco_samples, measure, pair_means, relation_flip_captions,
                                                 same_relation_flip, shuffled_partners, split_config, trained_module,
                                                 with_partner_images)
@@ -104,7 +104,7 @@ def test_a_checkpoint_of_other_weights_than_the_export_is_refused(shapes_root, s
 
 # ----- the attribution gap --------------------------------------------------------------------------------
 def test_attribution_gaps_equal_the_demo_measurement(shapes_root, smartclip_run):
-    from lightning_modules.demo import attribution_gap
+    from study.demo import attribution_gap
     from evaluation.scorers import ClipScorer
 
     result = measure(smartclip_run, shapes_root, "val", limit=10, device="cpu")

@@ -17,9 +17,9 @@ from torch import nn
 from core.config import REPO_ROOT
 from lightning_modules import load_run_config
 from datamodules.shapes import SHAPES, generate
-from lightning_modules.attribution.library import (TextAttributionInputs, attribution_options, group_means,
+from modeling.attribution import (TextAttributionInputs, attribution_options, group_means,
                                                    text_attribution)
-from lightning_modules.attribution.monitor import AttributionMonitor, build_attribution_monitor, build_probe, eval_mode
+from lightning_modules.monitor import AttributionMonitor, build_attribution_monitor, build_probe, eval_mode
 from lightning_modules.fit import build_datamodule, build_module, run
 from parsers.scene_graph import SceneGraphParser
 from parsers.token_alignment import spans_to_token_mask
@@ -197,7 +197,7 @@ def test_probe_falls_back_to_training_captions_and_says_so(shapes_root, tmp_path
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, module)
     datamodule.setup("fit")
-    with caplog.at_level(logging.INFO, logger="lightning_modules.attribution.monitor"):
+    with caplog.at_level(logging.INFO, logger="lightning_modules.monitor"):
         probe = build_probe(datamodule, module.tokenizer, 5, SceneGraphParser())
     assert probe.split == "training" and len(probe) == 5
     train = json.loads((shapes_root / cfg.data.train_annotations).read_text())["annotations"]

@@ -1,4 +1,4 @@
-"""perf.position_probe: the label on hand-made scenes, and a short real run end to end."""
+"""study.position_probe: the label on hand-made scenes, and a short real run end to end."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from datamodules.shapes import Scene, SceneObject
-from perf.position_probe import earlier_colour_is_left, main, usable
+from study.position_probe import earlier_colour_is_left, main, usable
 
 
 def scene(first: tuple, second: tuple) -> Scene:
@@ -43,7 +43,7 @@ def test_a_short_probe_trains_and_reports_its_history(tmp_path, pos_embed):
 def test_the_position_override_reaches_the_tower():
     from pathlib import Path
 
-    from perf.position_probe import build_tower
+    from study.position_probe import build_tower
 
     learnable = build_tower("ViT-Tiny-16-64", Path("configs/models"), None, None)
     sincos = build_tower("ViT-Tiny-16-64", Path("configs/models"), "sin_cos_2d", None)
@@ -58,7 +58,7 @@ def test_pos_scale_multiplies_the_learnable_table_and_refuses_a_fixed_one():
 
     import torch
 
-    from perf.position_probe import build_tower
+    from study.position_probe import build_tower
 
     torch.manual_seed(0)
     plain = build_tower("ViT-Tiny-16-64", Path("configs/models"), None, None)

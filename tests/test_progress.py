@@ -17,9 +17,9 @@ from core.encoders import build_model
 from datamodules import features
 from evaluation.aligner import AlignerScorer, TokenAligner
 from evaluation.benchmarks.base import ImageRef
-from lightning_modules import demo
+from study import demo
 from lightning_modules.fit import run
-from test_fit import TINY, shapes_root, tiny_config  # noqa: F401 (fixture)
+from fitting import TINY, tiny_config
 
 # The tiny shapes world: 16 train images with 2 captions each, sorted by image. Shards of 5 captions hold
 # images {0,1,2}, {2,3,4}, {5,6,7}, {7,8,9}, {10,11,12}, {12,13,14}, {15}: 19 image encodings in all (an

@@ -1,4 +1,4 @@
-"""perf.relation_text_probe: the oracle image code on hand-made scenes, and a short real run end to end."""
+"""study.relation_text_probe: the oracle image code on hand-made scenes, and a short real run end to end."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from datamodules.shapes import generate, load_swap_items
-from perf.relation_text_probe import (CODE_WIDTH, main, oracle_code, oracle_embeddings, swap_set, training_set,
+from study.relation_text_probe import (CODE_WIDTH, main, oracle_code, oracle_embeddings, swap_set, training_set,
                                       two_way_accuracy)
 
 

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_modules.fit import run
 from lightning_modules.resume import CorruptCheckpointError, ResumeConfigError, choose_resume_checkpoint, damage
-from test_fit import REPO_ROOT, TINY, shapes_root, tiny_config  # noqa: F401 (fixture)
+from fitting import REPO_ROOT, TINY, tiny_config
 
 
 def truncate(path: Path) -> None:

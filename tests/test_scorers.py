@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from evaluation.benchmarks.base import ImageRef
 from evaluation.benchmarks.images import load_image
-from evaluation.benchmarks.standin.images import write_image
+from testkit.standin.images import write_image
 from evaluation.scorers import ClipScorer, EmbeddingScorer, FunctionScorer, Scorer
 
 
@@ -168,9 +168,9 @@ def test_identical_candidates_are_ties_and_wrong_through_real_benchmarks(tmp_pat
     from dataclasses import replace
 
     from evaluation.benchmarks.aro import COCOOrder
-    from evaluation.benchmarks.standin.aro import write_aro_coco_order
-    from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
-    from evaluation.benchmarks.standin.vlchecklist import write_vl_checklist
+    from testkit.standin.aro import write_aro_coco_order
+    from testkit.standin.sugarcrepe import write_sugarcrepe
+    from testkit.standin.vlchecklist import write_vl_checklist
     from evaluation.benchmarks.sugarcrepe import SugarCrepe
     from evaluation.benchmarks.vlchecklist import VLCheckList
 
@@ -245,7 +245,7 @@ def test_a_perturbation_differing_only_in_spaces_around_punctuation_is_a_counted
     import hashlib
 
     from evaluation.benchmarks.aro import COCOOrder, pre_caption
-    from evaluation.benchmarks.standin.aro import write_aro_coco_order
+    from testkit.standin.aro import write_aro_coco_order
 
     root = tmp_path / "aro"
     options = write_aro_coco_order(root, n_items=2 * len(PUNCTUATED))

@@ -22,8 +22,8 @@ from evaluation import evaluate, sgi
 from evaluation.benchmarks import build_benchmark
 from evaluation.benchmarks.base import ImageRef, unique
 from evaluation.benchmarks.images import load_image
-from evaluation.benchmarks.standin.images import write_image
-from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+from testkit.standin.images import write_image
+from testkit.standin.sugarcrepe import write_sugarcrepe
 from evaluation.harness import read_outcomes, run_benchmark
 from evaluation.scorers import ClipScorer
 from evaluation.sgi import SGIScorer, Tiling, caption_segments, crop_boxes, crops_per_image, parse_grids

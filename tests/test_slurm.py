@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from datamodules.shapes import generate
-from lightning_modules.study.runs import RUN_LOG, export_complete
+from slurm.runs import RUN_LOG, export_complete
 from slurm import sweep as sweep_module
-from slurm.localcluster import LocalSlurm
+from testkit.localcluster import LocalSlurm
 from slurm.sweep import expand, load_sweep, local_threads, main as sweep_main, run_local, SweepError, write_sweep_file
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_fit import a_batch, shapes_root, tiny_config  # noqa: F401  (shapes_root is a fixture)
+from fitting import a_batch, tiny_config
 
 import lightning_modules
 from core.config import REPO_ROOT
@@ -25,7 +25,7 @@ from lightning_modules.base import total_loss
 from lightning_modules.fit import run
 from lightning_modules.methods.smartclip import (MaskNetwork, SmartCLIP, caption_positions, mask_network_heads,
                                          mask_network_positions, mask_report)
-from lightning_modules.modular_losses import (ModularContrastiveLoss, mask_sparsity, masked_logits,
+from modeling.modular_losses import (ModularContrastiveLoss, mask_sparsity, masked_logits,
                                               straight_through_mask)
 from tolerance import scaled_close
 

@@ -24,7 +24,7 @@ from core.config import REPO_ROOT
 from lightning_modules import load_run_config
 from lightning_modules.base import total_loss
 from lightning_modules.methods.smartclip import MaskNetwork, mask_network_heads, mask_network_positions, modular_terms
-from lightning_modules.modular_losses import ModularContrastiveLoss, straight_through_mask
+from modeling.modular_losses import ModularContrastiveLoss, straight_through_mask
 
 FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "data" / "parity" / "smartclip"
 POOL_BIAS = "mask_net.attn_pool.attention.bias"

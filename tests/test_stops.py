@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_modules.base import NonFiniteLossError
 from lightning_modules.fit import run
 from lightning_modules.stops import STOPS_RECORD, RunDirectoryBusy, RunLock, StoppedBySignal, lock_path
-from test_fit import REPO_ROOT, TINY, NanAtStep, exported_state, shapes_root, tiny_config  # noqa: F401 (fixture)
+from fitting import REPO_ROOT, TINY, NanAtStep, exported_state, tiny_config
 
 # A step count the tests never reach: the subprocess runs until it is signalled.
 ENDLESS = 100_000

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from evaluation.benchmarks.two_by_two import ShapesSwap
-from lightning_modules.study import command as study_module
-from lightning_modules.study.command import (CACHE_FILE, FROZEN_DIR, Evaluations, StudyError, StudySettings,
-                                             cached_scores, evaluate_study, export_fingerprint, item_values, load_study,
-                                             parse_settings, select_settings, split_fingerprint)
-from lightning_modules.study.report import read_curves, write_report
-from lightning_modules.study.stats import seed_interval
+from study import cli as study_cli
+from study.analysis import (Evaluations, cached_scores, evaluate_study, export_fingerprint, item_values,
+                            select_settings, split_fingerprint)
+from study.settings import (CACHE_FILE, CACHE_VERSION, FROZEN_DIR, OUTCOME_FLAGS, StudyError, StudySettings, load_study,
+                            parse_settings)
+from study.report import read_curves, write_report
+from study.stats import seed_interval
 
 REPO = Path(__file__).resolve().parents[1]
 SPLITS = ("val", "test", "test_unseen")
@@ -67,7 +68,7 @@ def write_export(directory: Path) -> Path:
 
 def write_cached(directory: Path, scorer: str, scores: dict, export: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    document = {"version": study_module.CACHE_VERSION, "scorer": scorer, "export": export_fingerprint(export),
+    document = {"version": CACHE_VERSION, "scorer": scorer, "export": export_fingerprint(export),
                 "splits": scores}
     (directory / CACHE_FILE).write_text(json.dumps(document))
 
@@ -467,8 +468,8 @@ def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsy
     study = {"data": str(data), "frozen": {"backbone": str(tmp_path / "backbone"), "rows": {"cosine": "clip"}}}
     (sweep / "sweep.json").write_text(json.dumps({"name": "e2e", "runs_root": str(sweep), "runs": runs,
                                                   "study": study}))
-    monkeypatch.setattr(study_module, "load_mechanisms", lambda *args: gap_mechanism)
-    results = study_module.main(["--sweep", str(sweep), "--out", str(tmp_path / "out")])
+    monkeypatch.setattr(study_cli, "load_mechanisms", lambda *args: gap_mechanism)
+    results = study_cli.main(["--sweep", str(sweep), "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert results == tmp_path / "out" / "results.md" and f"report: {results}" in out
     assert "[val 1/3] method-clip_ft_seed-0 (val): scored in" in out
@@ -476,7 +477,7 @@ def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsy
     assert set(cache["splits"]) == set(SPLITS)
     val = cache["splits"]["val"]
     assert len(val["swap_outcomes"]) == 6
-    assert set(val["swap_outcomes"][0]) == {"id", "type", *study_module.OUTCOME_FLAGS}
+    assert set(val["swap_outcomes"][0]) == {"id", "type", *OUTCOME_FLAGS}
     assert val["swap"]["group"] == pytest.approx(ShapesSwap.aggregate(val["swap_outcomes"])["group"])
     assert len([o for o in val["retrieval_outcomes"] if o[0] == "i2t"]) == 6
     # test is a copy of val, so a real scorer gives the same outcomes on both: the splits were really scored
@@ -489,7 +490,7 @@ def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsy
            {("macco", "clip_ft", split) for split in ("test", "test_unseen")}
     assert all(r["n_seeds"] == "1" and r["n_items"] in ("6", "2") for r in rows)
     capsys.readouterr()
-    study_module.main(["--sweep", str(sweep), "--out", str(tmp_path / "out")])
+    study_cli.main(["--sweep", str(sweep), "--out", str(tmp_path / "out")])
     assert "scored in" not in capsys.readouterr().out  # the second report reads every cache
 
 
@@ -526,7 +527,7 @@ def hand_metric(outcomes: list, metric: str) -> float:
 
 def welch(first: list, second: list) -> tuple:
     """Welch's difference interval written out (95%)."""
-    from lightning_modules.study.stats import student_t_quantile
+    from study.stats import student_t_quantile
 
     a, b = np.var(first, ddof=1) / len(first), np.var(second, ddof=1) / len(second)
     df = (a + b) ** 2 / (a ** 2 / (len(first) - 1) + b ** 2 / (len(second) - 1))
@@ -547,7 +548,7 @@ def validity_report(tmp_path_factory):
 
 
 def test_difference_interval_matches_the_t_table():
-    from lightning_modules.study.stats import difference_interval
+    from study.stats import difference_interval
 
     # n = 3 + 3, both variances 1: standard error sqrt(2/3), Welch df = 4, t_0.975(4) = 2.776445 (tables)
     interval = difference_interval([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
@@ -606,8 +607,8 @@ def test_validity_section_is_written_and_printed_and_shows_every_check(validity_
 def test_validity_checks_pass_and_fail_at_their_criteria(validity_report):
     from dataclasses import replace
 
-    from lightning_modules.study.command import study_cells
-    from lightning_modules.study.validity import measure_validity
+    from study.analysis import study_cells
+    from study.validity import measure_validity
 
     _, study, evaluations, selections, _, _ = validity_report
     cells = study_cells(study, evaluations, selections)
@@ -660,14 +661,14 @@ def test_bad_validity_settings_are_named(tmp_path):
 
 
 def test_mechanisms_are_measured_on_the_chosen_splits_with_the_chosen_limit(monkeypatch):
-    import lightning_modules.study.mechanisms as mechanisms_module
+    import study.mechanisms as mechanisms_module
 
     calls = []
     monkeypatch.setattr(mechanisms_module, "measure",
                         lambda run_dir, data, split, limit=256: calls.append((split, limit)) or {"x": 1.0})
-    measured = study_module.load_mechanisms(limit=32, splits=["test"])
+    measured = study_cli.load_mechanisms(limit=32, splits=["test"])
     assert measured(Path("r"), Path("d"), "test") == {"x": 1.0}
     assert measured(Path("r"), Path("d"), "test_unseen") == {}
     assert calls == [("test", 32)]
-    study_module.load_mechanisms()(Path("r"), Path("d"), "test_unseen")
+    study_cli.load_mechanisms()(Path("r"), Path("d"), "test_unseen")
     assert calls[-1] == ("test_unseen", 256)

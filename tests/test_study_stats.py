@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_modules.study.stats import paired_bootstrap, seed_interval, student_t_quantile
+from study.stats import paired_bootstrap, seed_interval, student_t_quantile
 
 # Two-sided 95% and one-sided 95% critical values from a printed t table.
 T_TABLE = [(1, 0.975, 12.706), (2, 0.975, 4.303), (3, 0.975, 3.182), (5, 0.975, 2.571), (10, 0.975, 2.228),

@@ -1,4 +1,4 @@
-"""perf.term_gradients: per-term gradient norms per tower against a plain backward of each term, MACCO's
+"""study.term_gradients: per-term gradient norms per tower against a plain backward of each term, MACCO's
 stop-gradients seen through it, and the command end to end on the tiny shapes world."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from test_fit import TINY, a_batch, mask_cache, shapes_root, tiny_config  # noqa: F401 (pytest fixtures)
+from fitting import TINY, a_batch, tiny_config
 
 from core.config import REPO_ROOT
 from lightning_modules.fit import build_module
-from perf.term_gradients import TOWERS, main, term_report
+from study.term_gradients import TOWERS, main, term_report
 from tolerance import scaled_close
 
 MACCO = ["method.name=macco", "data.masks=true"]

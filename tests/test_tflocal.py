@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fit import TINY, shapes_root, tiny_config  # noqa: F401 (shapes_root is a fixture)
+from fitting import TINY, tiny_config
 from tolerance import assert_scaled_close
 
 import lightning_modules
@@ -25,8 +25,8 @@ from evaluation.benchmarks import build_benchmark
 from evaluation.benchmarks.base import ImageRef
 from evaluation.benchmarks.images import load_image
 from evaluation.benchmarks.retrieval import retrieval_ranks
-from evaluation.benchmarks.standin.retrieval import write_coco_retrieval
-from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe
+from testkit.standin.retrieval import write_coco_retrieval
+from testkit.standin.sugarcrepe import write_sugarcrepe
 from evaluation.harness import run_benchmark
 from lightning_modules.base import total_loss
 from lightning_modules.methods.tflocal import (TFGlobal, TFLocal, aligner_infonce, aligner_inputs, aligner_itm,

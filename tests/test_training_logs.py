@@ -10,7 +10,7 @@ from lightning_modules import callbacks
 from lightning_modules.base import warmup_cosine
 from lightning_modules.callbacks import SamplesPerSecond
 from lightning_modules.fit import run
-from test_fit import STEPS_PER_EPOCH, shapes_root, tiny_config  # noqa: F401 (fixture)
+from fitting import STEPS_PER_EPOCH, tiny_config
 
 LOG_EVERY = 3  # divides neither the 4 batches of an epoch nor the 2 optimizer steps of an accumulated epoch
 

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from evaluation.benchmarks import build_benchmark
-from evaluation.benchmarks.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
+from testkit.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
 from evaluation.benchmarks.sugarcrepe import SUBSETS
 from perf import evaluate
 

@@ -31,7 +31,7 @@ OPPOSITE_RELATION: dict[str, str] = {
 }
 # Which relations captions state. "both": a pair is stated either way, "X left of Y" or its converse "Y right of
 # X" (the world as it always was, and the default). "one-way": only "left of" and "above", so a
-# relation word always means the same thing about its two slots. Measured with `perf.relation_text_probe`: with
+# relation word always means the same thing about its two slots. Measured with `study.relation_text_probe`: with
 # the converse, which slot is on the left depends on the slot *and* the relation word (an exclusive-or), and a text
 # tower trained contrastively against a perfect image side stays at chance on relation direction for 1,500 steps;
 # one-way, the same tower is at 69, 73, 78% after 100, 200, 300 steps

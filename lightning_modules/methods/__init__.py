@@ -10,7 +10,7 @@
 `REGISTRY` pairs each method name with its option class (`options.py`), its module class (imported on first
 use: the method files import Lightning and open_clip, which config checks do not need), its paper recipe and its
 study overlay. docs/adding-a-method.md is the checklist; tests/test_registry.py enforces it. Losses shared by
-several methods are in `lightning_modules/losses.py` and `modular_losses.py`.
+several methods are in `modeling/losses.py` and `modular_losses.py`.
 """
 from __future__ import annotations
 

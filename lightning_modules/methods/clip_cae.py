@@ -32,11 +32,11 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from datamodules.word_vocabulary import WordVocabulary
-from lightning_modules.attribution.library import (TextAttributionInputs, WordReplacements, attribution_options,
+from modeling.attribution import (TextAttributionInputs, WordReplacements, attribution_options,
                                                    draw_word_replacements, group_means, text_attribution, token_kinds,
                                                    word_end_table)
 from lightning_modules.base import Terms
-from lightning_modules.losses import cae_attribution_loss, cae_batch_attribution_loss
+from modeling.losses import cae_attribution_loss, cae_batch_attribution_loss
 from lightning_modules.methods.clip_ft import ClipFineTune
 
 # Methods that differentiate the text forward: double backward needs the explicit attention (PyTorch's fused

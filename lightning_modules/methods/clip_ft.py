@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from lightning_modules.base import CompositionalCLIPModule, Terms, required_entry
-from lightning_modules.losses import ClipLoss
+from modeling.losses import ClipLoss
 
 
 class ClipFineTune(CompositionalCLIPModule):

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from core.encoders import ImageFeatures, TextFeatures
 from lightning_modules.base import CompositionalCLIPModule, Terms
-from lightning_modules.losses import (ClipLoss, masked_contrastive_loss, masked_patch_loss, masked_token_loss,
+from modeling.losses import (ClipLoss, masked_contrastive_loss, masked_patch_loss, masked_token_loss,
                                       normalised_patch_targets)
 
 MASK_TOKEN_STD = 0.02  # N(0, 0.02) init of both mask tokens [code]

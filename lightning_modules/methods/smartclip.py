@@ -4,7 +4,7 @@ docs/methods.md#smartclip).
 A caption rarely describes everything in its image, so SmartCLIP aligns each caption only with the embedding
 dimensions it selects: a mask network reads the caption's per-token features and outputs a mask m over the D
 joint dimensions; image embeddings are compared with a caption after masking by that caption's mask
-(`lightning_modules.modular_losses`). The objective is
+(`modeling.modular_losses`). The objective is
 
     10 (sidm + dism) + 2 mean|m|          (fixed temperature 100; CLIP's logit_scale is frozen, unused)
 
@@ -22,7 +22,7 @@ what is ours:
 - a Linear from the text width to D when the two differ [ours; the official needs width == D, true of the
   OpenAI CLIPs];
 - long captions (the paper's recipe, `configs/smartclip_long.yaml`): Long-CLIP's 248-token text encoder
-  (`model.context_length`, `lightning_modules.long_context`) and a random sentence prefix of each ShareGPT4V
+  (`model.context_length`, `modeling.long_context`) and a random sentence prefix of each ShareGPT4V
   caption (`data.train_caption_sentences: random_prefix`, `datamodules.coco`).
 
 SmartCLIP + NegCLIP [ours; SmartCLIP has no hard negatives], `method.hard_negatives.captions: K` (off in the
@@ -46,8 +46,8 @@ from open_clip.transformer import QuickGELU, ResidualAttentionBlock
 from torch import Tensor, nn
 
 from lightning_modules.base import CompositionalCLIPModule, Terms
-from lightning_modules.losses import ClipLoss, gather_features, world_info
-from lightning_modules.modular_losses import (ModularContrastiveLoss, active_dimensions, mask_sparsity,
+from modeling.losses import ClipLoss, gather_features, world_info
+from modeling.modular_losses import (ModularContrastiveLoss, active_dimensions, mask_sparsity,
                                               straight_through_mask)
 
 # OpenAI CLIP's head width: the original builds its mask network with `width // 64` heads.

@@ -34,7 +34,8 @@ from torch import Tensor
 
 from core.encoders import CLIPEncoders
 from datamodules.features import backbone_fingerprint, frozen_image_features, frozen_text_features, length_mask
-from evaluation.aligner import IMAGE, TEXT, AlignerScorer, TokenAligner, export_aligner
+from evaluation.aligner import AlignerScorer, export_aligner
+from modeling.aligner import IMAGE, TEXT, TokenAligner
 from lightning_modules.base import CompositionalCLIPModule, Terms
 
 log = logging.getLogger(__name__)

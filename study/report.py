@@ -1,4 +1,4 @@
-"""The study's report files (`python -m lightning_modules.study`): tables, CSV, plots and the TensorBoard view.
+"""The study's report files (`python -m study`): tables, CSV, plots and the TensorBoard view.
 
 `<out>/report/` gets:
 - `results.md`: per reporting split, every row's scores as `mean [low, high]` (Student-t 95% over seeds) at its
@@ -21,19 +21,26 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 from core.files import atomic_write_text
-from lightning_modules.study.command import (METRICS, NO_CONDITION, PAIRED_METRICS, Cell, Comparison, Evaluations,
-                                             Progress, Selection, Study, Summary, _finite, comparisons, metric_values,
-                                             study_cells, summarise)
-from lightning_modules.study.stats import Interval
+from study import validity as study_validity
+from study.analysis import (
+    Cell,
+    Comparison,
+    Evaluations,
+    Selection,
+    Summary,
+    comparisons,
+    json_safe,
+    metric_values,
+    study_cells,
+    summarise,
+)
+from study.settings import METRICS, NO_CONDITION, PAIRED_METRICS, Progress, Study
+from study.stats import Interval
+from study.tables import CHANCE, TITLES, interval_text, mechanism_text, table
 
-TITLES = {"text": "swap text", "image": "swap image", "group": "swap group", "acc_attribute": "2-way attribute",
-          "acc_relation": "2-way relation", "acc_object": "2-way object", "i2t_r1": "I2T R@1", "t2i_r1": "T2I R@1"}
-# What a random scorer gets: a 2x2 group score of 1/6 (Winoground's chance), a 2-way choice of 1/2.
-CHANCE = {"group": 100.0 / 6, "text": 25.0, "image": 25.0, "acc_attribute": 50.0, "acc_relation": 50.0,
-          "acc_object": 50.0}
 CURVE_PREFIX = "eval/shapes_swap/"
 CURVE_METRICS = ("group", "acc_relation", "acc_attribute", "acc_object", "text", "image")
 TB_DIR = "tb_hparams"
@@ -43,8 +50,6 @@ def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tup
                  out_dir: Path, progress: Progress = print) -> Path:
     """Every report file under `out_dir`; returns the path of results.md. The testbed validity section, when
     the study has one, also goes to `progress` (it is the first thing to read: can the testbed show a gain?)."""
-    from lightning_modules.study import validity as study_validity  # it builds on this module's table helpers
-
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = study_cells(study, evaluations, selections)
     summaries = [summary for cell in cells for summary in summarise(cell)]
@@ -54,7 +59,7 @@ def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tup
         validity = study_validity.measure_validity(study, evaluations, cells)
         validity_lines = study_validity.markdown_section(validity, study.settings.selection_split)
         validity_rows = study_validity.csv_rows(validity)
-        atomic_write_text(out_dir / "validity.json", json.dumps(_finite(study_validity.as_json(validity)), indent=2))
+        atomic_write_text(out_dir / "validity.json", json.dumps(json_safe(study_validity.as_json(validity)), indent=2))
         progress("\n".join(validity_lines))
     atomic_write_text(out_dir / "results.md", markdown(study, evaluations, selections, summaries, differences,
                                                        validity_lines))
@@ -70,30 +75,6 @@ def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tup
 
 
 # ----- markdown -----------------------------------------------------------------------------------------------
-def interval_text(interval: Interval, digits: int = 1) -> str:
-    """`mean [low, high]`; a single seed (or a frozen row, scored once) has no interval: `mean (one run)`."""
-    mean = f"{interval.estimate:.{digits}f}"
-    if not (math.isfinite(interval.low) and math.isfinite(interval.high)):
-        return f"{mean} (one run)"
-    return f"{mean} [{interval.low:.{digits}f}, {interval.high:.{digits}f}]"
-
-
-def mechanism_text(interval: Interval) -> str:
-    """Mechanism metrics come in any scale: three significant digits."""
-    if not (math.isfinite(interval.low) and math.isfinite(interval.high)):
-        return f"{interval.estimate:.3g} (one run)"
-    return f"{interval.estimate:.3g} [{interval.low:.3g}, {interval.high:.3g}]"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int,
-          numeric_to: Optional[int] = None) -> List[str]:
-    """A Markdown table whose columns numeric_from .. numeric_to - 1 are right-aligned (numbers)."""
-    numeric_to = len(header) if numeric_to is None else numeric_to
-    rule = ["---:" if numeric_from <= index < numeric_to else "---" for index in range(len(header))]
-    return ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"] + \
-           ["| " + " | ".join(row) + " |" for row in rows]
-
-
 def markdown(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection],
              summaries: Sequence[Summary], differences: Sequence[Comparison],
              validity_lines: Sequence[str] = ()) -> str:

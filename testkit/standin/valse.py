@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from evaluation.benchmarks.standin.images import write_image
+from testkit.standin.images import write_image
 
 POOL = 8
 INVALID_EVERY = 5

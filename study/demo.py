@@ -1,4 +1,4 @@
-"""`python -m lightning_modules.demo --data-root DIR runs.LABEL=RUN_DIR ...`: the demo's results table.
+"""`python -m study.demo --data-root DIR runs.LABEL=RUN_DIR ...`: the demo's results table.
 
 The shapes world is scored with the evaluation harness: the swap set (`shapes_swap`) and image-text
 retrieval over the validation captions (`coco_retrieval` reading the shapes world's COCO-format JSON); the
@@ -24,8 +24,8 @@ from evaluation.benchmarks.two_by_two import ShapesSwap
 from evaluation.evaluate import SCORERS
 from evaluation.harness import run_benchmark
 from evaluation.scorers import ClipScorer
-from lightning_modules.attribution.library import AttributionOptions
-from lightning_modules.attribution.monitor import image_embeddings, make_probe, probe_attribution, summarise
+from lightning_modules.monitor import image_embeddings, make_probe, probe_attribution, summarise
+from modeling.attribution import AttributionOptions
 from parsers.scene_graph import SceneGraphParser
 
 SWAP_TYPES = ("attribute", "relation", "object")

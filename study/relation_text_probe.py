@@ -1,6 +1,6 @@
-"""`python -m perf.relation_text_probe --data-root DIR [--steps N]`: can the text tower learn relations contrastively?
+"""`python -m study.relation_text_probe --data-root DIR [--steps N]`: can the text tower learn relations contrastively?
 
-The second half of the shapes-world testbed diagnosis (docs/study.md#diagnosis; `perf.position_probe` is
+The second half of the shapes-world testbed diagnosis (docs/study.md#diagnosis; `study.position_probe` is
 the first). Relation direction needs both towers: an image embedding that binds each object's colour and shape to
 where it is, and a caption embedding that binds them to their role ("X left of Y" versus "Y left of X"). This
 probe removes the image side: every image is replaced by an *oracle* embedding computed from its scene graph,
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 from core.cli import add_data_root, refuse_renamed
 from datamodules.shapes import COLORS, SHAPES, SIZES, SWAP_TYPES, load_scene_graphs, load_swap_items
-from lightning_modules.losses import ClipLoss
-from perf.position_probe import add_training_arguments, run_probe
+from modeling.losses import ClipLoss
+from study.position_probe import add_training_arguments, run_probe
 
 COLOR_ORDER, SHAPE_ORDER, SIZE_ORDER = list(COLORS), list(SHAPES), list(SIZES)
 # One-hot (colour, shape) and size, then colour x (x, y) and shape x (x, y).

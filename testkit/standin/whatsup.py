@@ -13,7 +13,7 @@ import json
 import random
 from pathlib import Path
 
-from evaluation.benchmarks.standin.images import encoded_pool
+from testkit.standin.images import encoded_pool
 
 OBJECTS = ("mug", "plate", "beer-bottle", "armchair", "scarf", "table", "cap", "chair", "wineglass", "laptop",
            "book", "remote-control")

@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from evaluation.benchmarks.standin.images import write_image
+from testkit.standin.images import write_image
 
 _POOL = 16
 _VG_IMAGE_SIZE = (96, 72)

@@ -41,7 +41,7 @@ from torch import Tensor
 from core.encoders import CLIPEncoders, TextFeatures
 from datamodules.annotations import read_annotation_file
 from datamodules.coco import CocoCaptions
-from lightning_modules.attribution.library import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs,
+from modeling.attribution import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs,
                                                    WordReplacements, attribution_options, draw_word_replacements,
                                                    eos_positions, group_means, image_grad_eclip, text_attribution,
                                                    token_kinds, word_end_table)

@@ -17,8 +17,8 @@ from typing import Dict, Tuple
 
 from PIL import Image, ImageDraw
 
-from evaluation.benchmarks.standin.images import PALETTE, write_image
 from evaluation.benchmarks.sugarcrepe import SUBSETS
+from testkit.standin.images import PALETTE, write_image
 
 SUBJECTS = ("a man", "a woman", "a dog", "a cat", "a child", "a horse")
 PLACES = ("on a beach", "in a kitchen", "next to a car", "under a tree", "on a red couch")

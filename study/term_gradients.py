@@ -1,4 +1,4 @@
-"""`python -m perf.term_gradients --config A.yaml [--config B.yaml ...] [key=value ...] [--batches N] [--out FILE]`:
+"""`python -m study.term_gradients --config A.yaml [--config B.yaml ...] [key=value ...] [--batches N] [--out FILE]`:
 which loss term drives which tower?
 
 A method's loss is a weighted sum of terms (`compute_terms`). AdamW divides every parameter's update by the running

@@ -1,350 +1,41 @@
-"""`python -m lightning_modules.study --sweep runs/sweeps/NAME [--data-root DIR] [--out DIR]`: the study's report.
-
-A study is a sweep (`slurm/sweep.py`) whose grid axes follow one convention:
-- `method`: the method (its label, e.g. `method-clip_ft` -> `clip_ft`, names a report row);
-- `negatives`: the condition the methods are compared under (e.g. `with` / `without` hard negatives); optional;
-- `seed`: the training seed; seeds are the repeats the intervals are over;
-- every other axis (normally `lr`, also e.g. a loss weight) is a hyperparameter *setting*, chosen per method and
-  condition on the validation split.
-
-Settings come from the sweep file's `study:` block (copied into sweep.json), every key optional but `data`:
-
-    study:
-      data: data/shapes_study          # the world (--data-root overrides); relative paths from the current directory
-      baseline: clip_ft                # the method every fine-tuning method is compared with, per condition
-      selection: {split: val, metric: group}   # the split and metric the setting is chosen on
-      splits: [test, test_unseen]      # the reporting splits (never used for selection)
-      frozen:                          # rows scored without training, from one backbone (a run dir or export)
-        backbone: runs/study/backbone
-        rows: {frozen_cosine: clip, sgi: sgi}  # row label -> scorer (evaluation.evaluate.SCORERS)
-        reference: frozen_cosine       # the frozen cosine (default: the one row scored by `clip`)
-        methods: [tflocal, tfglobal]   # frozen-backbone methods: compared with the reference, not the baseline
-      bootstrap: {resamples: 10000, seed: 0}
-      contrast: {condition: with, reference: without}   # optional: what the condition adds to each method
-      validity:                        # the testbed validity table (validity.py); optional
-        backbones: [runs/study/backbone, runs/study/backbone_seed1]  # run dirs or exports, one per pretraining seed
-        control: {method: clip_ft, negatives: with}   # the positive control: a grid cell, at its chosen setting
-        criteria: {relation_gain: 15, group_gain: 10, chance_margin: 5, ceiling: 95}  # these are the defaults
-
-What it does, in order:
-1. Scores every grid run whose export is complete on the selection split: the shapes swap set (per-item
-   outcomes and aggregates) and retrieval over `captions_<split>.json` (R@1 both ways). A grid run without an
-   export, or whose scoring fails, is listed in the report as missing (counted), never dropped silently.
-2. Chooses, per (method, condition), the setting with the best mean validation metric over seeds (the first in
-   grid order on a tie). Only the selection split's numbers enter this choice.
-3. Scores the runs of the chosen settings on the reporting splits, with each method's own mechanism metrics
-   (`mechanisms(run_dir, data_root, split) -> dict`, `lightning_modules.study.mechanisms.measure`), and the frozen rows
-   (nothing to select: reporting splits only), and the validity backbones with the global cosine (`clip`) on
-   the reporting splits. The runs of other settings are never scored on a reporting split.
-4. Summarises per method x condition x split: the mean and Student-t 95% interval over seeds of each metric
-   (`stats.seed_interval`), and the paired items x seeds bootstrap (`stats.paired_bootstrap`) of
-   the group score and the 2-way relation accuracy of each method against the baseline in the same condition
-   (frozen-backbone methods and the other frozen rows against the frozen reference); with `contrast`, also of
-   each method in `contrast.condition` against the same method in `contrast.reference` (seeds paired by label:
-   what, say, the hard negatives add to each method, the baseline included).
-5. Writes the report folder (`--out`, default `<sweep>/report/`): results.md, results.csv, differences.csv,
-   scores_<split>.png, validation_curves.png and tb_hparams/ (`tensorboard --logdir <sweep>/report/tb_hparams`):
-   report.py;
-   with `validity`, its section in results.md (also printed), rows in results.csv and validity.json.
-
-Each run's scores are cached in `<run>/study_eval.json` with the per-item outcomes they were computed from (an
-independent bootstrap can be recomputed from them). The cache is keyed by the export's files (sizes and
-modification times), the scorer, and per split the data root and the split's annotation files; anything else is
-scored again. The frozen rows are cached under `<sweep>/study_frozen/<row>/`, the validity backbones under
-`<sweep>/study_frozen/validity_<i>/` (i: the backbone's place in the list, from 0).
+"""The study's analysis: scoring runs (cached with their per-item outcomes), choosing each method's setting on
+the validation split, and the summaries and paired differences over seeds (steps 1-4 of `study/cli.py`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from core.cli import add_data_root, add_output, refuse_renamed
 from core.files import atomic_write_text
-from lightning_modules.study.runs import RUN_LOG, SWEEP_FILE, export_complete
-from lightning_modules.study.stats import DEFAULT_RESAMPLES, Interval, paired_bootstrap, seed_interval
-
-CACHE_FILE = "study_eval.json"
-CACHE_VERSION = 1
-FROZEN_DIR = "study_frozen"
-NO_CONDITION = "-"  # the condition of a grid without a `negatives` axis, and of the frozen rows
-NO_SEED = "-"
-# The axes with a role; every other grid axis is a hyperparameter setting chosen on validation.
-ROLE_AXES = ("method", "negatives", "seed")
-SWAP_METRICS = ("text", "image", "group", "acc_attribute", "acc_relation", "acc_object")
-RETRIEVAL_METRICS = ("i2t_r1", "t2i_r1")
-METRICS = SWAP_METRICS + RETRIEVAL_METRICS
-# Paired differences: the group score and the 2-way relation accuracy, the two the study is about.
-PAIRED_METRICS = ("group", "acc_relation")
-# The per-item fields kept in the cache (0/1), the two-by-two protocol's names (two_by_two.py).
-OUTCOME_FLAGS = ("text_i0", "text_i1", "image_c0", "image_c1", "text", "image", "group", "tie")
-
-STUDY_KEYS = ("data", "baseline", "selection", "splits", "frozen", "bootstrap", "validity", "contrast")
-CONTRAST_KEYS = ("condition", "reference")
-SELECTION_KEYS = ("split", "metric")
-FROZEN_KEYS = ("backbone", "rows", "reference", "methods")
-BOOTSTRAP_KEYS = ("resamples", "seed")
-VALIDITY_KEYS = ("backbones", "control", "criteria")
-CONTROL_KEYS = ("method", "negatives")
-CRITERIA_KEYS = ("relation_gain", "group_gain", "chance_margin", "ceiling")
-VALIDITY_PREFIX = "validity_"  # the name (and cache folder) of validity backbone i: validity_<i>
-
-SplitEval = Dict[str, object]  # one run on one split: outcomes, aggregates, mechanisms (see `score_splits`)
-Evaluator = Callable[[Path, str, Path, Sequence[str]], Dict[str, SplitEval]]
-Mechanisms = Callable[[Path, Path, str], Dict[str, float]]
-Progress = Callable[[str], None]
-
-
-class StudyError(ValueError):
-    """A study that cannot be reported; the message names the setting or file and the problem."""
-
-
-# ----- settings ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FrozenRows:
-    """Rows scored from one frozen backbone export without training, and who is compared with them."""
-
-    export: Path
-    rows: Dict[str, str]  # label -> scorer name
-    reference: str
-    methods: Tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ValiditySettings:
-    """The testbed validity table: backbone exports (one per pretraining seed), the positive control cell and
-    the pass criteria (the defaults are the method study's criteria, in points: docs/study.md#design)."""
-
-    backbones: Tuple[Path, ...]
-    control_method: str
-    control_condition: str
-    relation_gain: float = 15.0  # (b) control minus backbone, 2-way relation accuracy, at least
-    group_gain: float = 10.0  # (b) control minus backbone, swap group score, at least
-    chance_margin: float = 5.0  # (a) backbone 2-way relation within this of 50
-    ceiling: float = 95.0  # (a) backbone 2-way attribute below this
-
-    def names(self) -> List[str]:
-        return [f"{VALIDITY_PREFIX}{index}" for index in range(len(self.backbones))]
-
-
-@dataclass(frozen=True)
-class StudySettings:
-    data: Path
-    baseline: str = "clip_ft"
-    selection_split: str = "val"
-    selection_metric: str = "group"
-    splits: Tuple[str, ...] = ("test", "test_unseen")
-    frozen: Optional[FrozenRows] = None
-    resamples: int = DEFAULT_RESAMPLES
-    bootstrap_seed: int = 0
-    validity: Optional[ValiditySettings] = None
-    contrast: Optional[Tuple[str, str]] = None  # (condition, reference condition): each method across the two
-
-
-def _mapping(value: object, where: str, keys: Sequence[str]) -> dict:
-    """`value` as a dict whose keys are all among `keys`, else a StudyError naming the valid ones."""
-    value = {} if value is None else value
-    if not isinstance(value, dict):
-        raise StudyError(f"{where} must be a mapping, got {value!r}")
-    unknown = sorted(set(value) - set(keys))
-    if unknown:
-        raise StudyError(f"{where}: unknown keys {unknown}; valid: {list(keys)}")
-    return value
-
-
-def parse_settings(study: Mapping[str, object], data: Optional[Path] = None) -> StudySettings:
-    """The study block of sweep.json as settings (`data` overrides study.data); a bad block is a StudyError."""
-    study = _mapping(study, "study", STUDY_KEYS)
-    selection = _mapping(study.get("selection"), "study.selection", SELECTION_KEYS)
-    bootstrap = _mapping(study.get("bootstrap"), "study.bootstrap", BOOTSTRAP_KEYS)
-    root = data if data is not None else study.get("data")
-    if root is None:
-        raise StudyError("no world to score: set study.data in the sweep file or pass --data-root")
-    splits = study.get("splits", StudySettings.splits)
-    if not isinstance(splits, (list, tuple)) or not splits or not all(isinstance(s, str) for s in splits):
-        raise StudyError(f"study.splits must be a non-empty list of split names, got {splits!r}")
-    settings = StudySettings(
-        data=Path(root), baseline=str(study.get("baseline", StudySettings.baseline)),
-        selection_split=str(selection.get("split", StudySettings.selection_split)),
-        selection_metric=str(selection.get("metric", StudySettings.selection_metric)), splits=tuple(splits),
-        frozen=parse_frozen(study.get("frozen")), resamples=int(bootstrap.get("resamples", DEFAULT_RESAMPLES)),
-        bootstrap_seed=int(bootstrap.get("seed", 0)), validity=parse_validity(study.get("validity")),
-        contrast=parse_contrast(study.get("contrast")))
-    check_settings(settings)
-    return settings
-
-
-def parse_frozen(frozen: object) -> Optional[FrozenRows]:
-    """study.frozen as FrozenRows (None when absent); the reference defaults to the one row scored by `clip`."""
-    if frozen is None:
-        return None
-    frozen = _mapping(frozen, "study.frozen", FROZEN_KEYS)
-    rows = frozen.get("rows")
-    if not frozen.get("backbone") or not isinstance(rows, dict) or not rows:
-        raise StudyError("study.frozen needs a backbone (run directory or export) and rows {label: scorer}")
-    from evaluation.evaluate import SCORERS
-
-    unknown = sorted(scorer for scorer in rows.values() if scorer not in SCORERS)
-    if unknown:
-        raise StudyError(f"study.frozen.rows: unknown scorers {unknown}; registered: {sorted(SCORERS)}")
-    cosine_rows = [label for label, scorer in rows.items() if scorer == "clip"]
-    reference = frozen.get("reference") or (cosine_rows[0] if len(cosine_rows) == 1 else None)
-    if reference not in rows:
-        raise StudyError(f"study.frozen.reference must name one of the rows {sorted(rows)} (it defaults to the "
-                         f"single row scored by `clip`), got {reference!r}")
-    methods = frozen.get("methods") or []
-    if not isinstance(methods, list):
-        raise StudyError(f"study.frozen.methods must be a list of method labels, got {methods!r}")
-    return FrozenRows(backbone_export(Path(frozen["backbone"])), {str(k): str(v) for k, v in rows.items()},
-                      str(reference), tuple(str(m) for m in methods))
-
-
-def parse_contrast(contrast: object) -> Optional[Tuple[str, str]]:
-    """study.contrast as (condition, reference condition), both required and different; None when absent."""
-    if contrast is None:
-        return None
-    contrast = _mapping(contrast, "study.contrast", CONTRAST_KEYS)
-    if any(not isinstance(contrast.get(key), str) for key in CONTRAST_KEYS):
-        raise StudyError(f"study.contrast needs condition and reference, two condition labels; got {contrast!r}")
-    if contrast["condition"] == contrast["reference"]:
-        raise StudyError(f"study.contrast compares a condition with itself: {contrast!r}")
-    return contrast["condition"], contrast["reference"]
-
-
-def parse_validity(validity: object) -> Optional[ValiditySettings]:
-    """study.validity as ValiditySettings (None when absent). The control's `negatives` may be left out only in
-    a grid without a `negatives` axis; whether the cell exists is checked against the grid (`check_grid`)."""
-    if validity is None:
-        return None
-    validity = _mapping(validity, "study.validity", VALIDITY_KEYS)
-    backbones = validity.get("backbones")
-    if not isinstance(backbones, list) or not backbones or not all(isinstance(b, str) and b for b in backbones):
-        raise StudyError("study.validity.backbones must be a non-empty list of backbone run directories or exports "
-                         f"(one per pretraining seed), got {backbones!r}")
-    control = _mapping(validity.get("control"), "study.validity.control", CONTROL_KEYS)
-    if not control.get("method"):
-        raise StudyError("study.validity.control needs the method of the positive control cell, e.g. "
-                         "{method: clip_ft, negatives: with}")
-    criteria = _mapping(validity.get("criteria"), "study.validity.criteria", CRITERIA_KEYS)
-    bad = {key: value for key, value in criteria.items()
-           if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)}
-    if bad:
-        raise StudyError(f"study.validity.criteria must be numbers (points), got {bad}")
-    return ValiditySettings(tuple(backbone_export(Path(b)) for b in backbones), str(control["method"]),
-                            str(control.get("negatives", NO_CONDITION)),
-                            **{key: float(value) for key, value in criteria.items()})
-
-
-def backbone_export(path: Path) -> Path:
-    """The export folder of `path`: a run directory's `export/`, or `path` itself when it is an export."""
-    return path / "export" if (path / "export" / "model.json").is_file() else path
-
-
-def check_settings(settings: StudySettings) -> None:
-    """What the settings must hold on their own (the grid is checked by `check_grid`)."""
-    if settings.selection_split in settings.splits:
-        raise StudyError(f"the selection split {settings.selection_split!r} is also a reporting split: a "
-                         "setting chosen on a split cannot be reported on it")
-    if settings.selection_metric not in METRICS:
-        raise StudyError(f"study.selection.metric {settings.selection_metric!r} is not one of {list(METRICS)}")
-    if settings.resamples < 100:
-        raise StudyError(f"study.bootstrap.resamples must be at least 100, got {settings.resamples}")
-
-
-# ----- the grid ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GridRun:
-    """One run of the sweep with its role in the study."""
-
-    name: str
-    method: str
-    condition: str
-    setting: str  # the hyperparameter choice, e.g. "lr=0.0001" ("-" when the grid has none)
-    seed: str
-    directory: Path
-
-
-@dataclass
-class Study:
-    directory: Path
-    settings: StudySettings
-    runs: List[GridRun]
-
-    def methods(self) -> List[str]:
-        return _unique(run.method for run in self.runs)
-
-    def conditions(self) -> List[str]:
-        return _unique(run.condition for run in self.runs)
-
-    def settings_of(self, method: str, condition: str) -> List[str]:
-        return _unique(run.setting for run in self.runs if (run.method, run.condition) == (method, condition))
-
-
-def _unique(values) -> list:
-    """The distinct values in first-seen (grid) order."""
-    return list(dict.fromkeys(values))
-
-
-def choice_value(axis: str, label: str) -> str:
-    """The value of a sweep choice label (`lr-0.0001` on axis `lr` -> `0.0001`)."""
-    return label[len(axis) + 1:] if label.startswith(f"{axis}-") else label
-
-
-def grid_run(entry: Mapping[str, object], sweep_dir: Path) -> GridRun:
-    choices = dict(entry.get("choices") or {})
-    if "method" not in choices:
-        raise StudyError(f"{sweep_dir / SWEEP_FILE}: run {entry['name']} has no `method` axis; a study's grid names "
-                         "the method on an axis called `method`")
-    values = {axis: choice_value(axis, label) for axis, label in choices.items()}
-    setting = ", ".join(f"{axis}={value}" for axis, value in values.items() if axis not in ROLE_AXES) or "-"
-    return GridRun(str(entry["name"]), values["method"], values.get("negatives", NO_CONDITION), setting,
-                   values.get("seed", NO_SEED), sweep_dir / str(entry["name"]))
-
-
-def load_study(sweep_dir: Path, data: Optional[Path] = None) -> Study:
-    """The study of a sweep directory (its sweep.json), with settings checked against its grid."""
-    path = Path(sweep_dir) / SWEEP_FILE
-    if not path.is_file():
-        raise StudyError(f"{path} does not exist: run `python -m slurm.sweep <sweep.yaml> ...` first")
-    document = json.loads(path.read_text())
-    settings = parse_settings(document.get("study") or {}, data)
-    runs = [grid_run(entry, Path(sweep_dir)) for entry in document["runs"]]
-    study = Study(Path(sweep_dir), settings, runs)
-    check_grid(study)
-    return study
-
-
-def check_grid(study: Study) -> None:
-    methods, settings = study.methods(), study.settings
-    named = [settings.baseline] + list(settings.frozen.methods if settings.frozen else [])
-    absent = [name for name in named if name not in methods]
-    if absent:
-        raise StudyError(f"study names methods {absent} that the grid does not have; its methods: {methods}")
-    if settings.frozen and set(settings.frozen.rows) & set(methods):
-        raise StudyError(f"frozen row labels {sorted(set(settings.frozen.rows) & set(methods))} repeat method labels")
-    validity = settings.validity
-    if validity:
-        cell = (validity.control_method, validity.control_condition)
-        cells = _unique((run.method, run.condition) for run in study.runs)
-        if cell not in cells:
-            raise StudyError(f"study.validity.control {{method: {cell[0]}, negatives: {cell[1]}}} is not a cell of "
-                             f"the grid; its cells: {[f'{m} ({c})' for m, c in cells]}")
-        taken = set(validity.names()) & set(settings.frozen.rows if settings.frozen else {})
-        if taken:
-            raise StudyError(f"frozen row labels {sorted(taken)} are the validity backbones' names; rename them")
-    absent = [label for label in settings.contrast or () if label not in study.conditions()]
-    if absent:
-        raise StudyError(f"study.contrast names conditions {absent} that the grid does not have; its conditions: "
-                         f"{study.conditions()}")
-    if not settings.data.is_dir():
-        raise StudyError(f"the world {settings.data} does not exist (study.data or --data-root)")
+from slurm.runs import RUN_LOG, export_complete
+from study.settings import (
+    CACHE_FILE,
+    CACHE_VERSION,
+    FROZEN_DIR,
+    NO_CONDITION,
+    NO_SEED,
+    OUTCOME_FLAGS,
+    PAIRED_METRICS,
+    RETRIEVAL_METRICS,
+    SWAP_METRICS,
+    Evaluator,
+    GridRun,
+    Mechanisms,
+    Progress,
+    SplitEval,
+    Study,
+    StudyError,
+    StudySettings,
+    unique_values,
+)
+from study.stats import Interval, paired_bootstrap, seed_interval
 
 
 # ----- scoring and its cache --------------------------------------------------------------------------------
@@ -352,8 +43,8 @@ def score_splits(export_dir: Path, scorer_name: str, data: Path, splits: Sequenc
     """The real evaluator: swap-set outcomes and retrieval on each split, the export loaded once."""
     from evaluation.benchmarks.retrieval import CocoRetrieval
     from evaluation.benchmarks.two_by_two import ShapesSwap
-    from lightning_modules.demo import build_scorer
     from evaluation.harness import run_benchmark
+    from study.demo import build_scorer
 
     scorer = build_scorer(Path(export_dir), scorer_name)
     scored = {}
@@ -420,17 +111,17 @@ def read_cache(path: Path, export_dir: Path, scorer: str) -> Dict[str, SplitEval
 def write_cache(path: Path, export_dir: Path, scorer: str, splits: Mapping[str, SplitEval]) -> None:
     document = {"version": CACHE_VERSION, "scorer": scorer, "export": export_fingerprint(export_dir),
                 "splits": dict(splits)}
-    atomic_write_text(path, json.dumps(_finite(document)))
+    atomic_write_text(path, json.dumps(json_safe(document)))
 
 
-def _finite(value):
+def json_safe(value):
     """JSON has no NaN: an undefined aggregate is stored as null (and read back as NaN by `metric_values`)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -686,7 +377,7 @@ def summarise(cell: Cell) -> List[Summary]:
     per_seed = [{**metric_values(scores), **{f"mechanism/{key}": value for key, value
                                               in (scores.get("mechanisms") or {}).items()}}
                 for scores in cell.seeds.values()]
-    keys = _unique(key for values in per_seed for key in values)
+    keys = unique_values(key for values in per_seed for key in values)
     summaries = []
     for key in keys:
         values = [values[key] for values in per_seed if key in values and math.isfinite(values[key])]
@@ -795,52 +486,3 @@ def comparisons(cells: Sequence[Cell], settings: StudySettings) -> List[Comparis
                                  settings.bootstrap_seed)
             found += [comparison] if comparison else []
     return found
-
-
-# ----- command line -------------------------------------------------------------------------------------------
-def load_mechanisms(limit: Optional[int] = None, splits: Optional[Sequence[str]] = None) -> Mechanisms:
-    """`lightning_modules.study.mechanisms.measure` with these options (imported on use: it pulls in the models).
-
-    Args:
-        limit: captions / samples per measurement (None: measure's default).
-        splits: measure only these splits (None: every reporting split); the others get no mechanism metrics, so
-            a long study can spend its mechanism budget on the split it reports them for.
-    """
-    from lightning_modules.study.mechanisms import measure
-
-    options = {} if limit is None else {"limit": limit}
-
-    def measured(run_dir: Path, data: Path, split: str) -> Dict[str, float]:
-        return measure(run_dir, data, split, **options) if splits is None or split in splits else {}
-    return measured
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--sweep", required=True, type=Path, help="the sweep directory (holding sweep.json)")
-    add_data_root(parser, help="the world to score (default: study.data of the sweep)")
-    add_output(parser, "folder", help="the report folder (default: SWEEP/report/)")
-    parser.add_argument("--recompute", action="store_true", help="score everything again, ignoring the caches")
-    parser.add_argument("--mechanism-limit", type=int, help="captions per mechanism measurement (default 256)")
-    parser.add_argument("--mechanism-splits", help="comma-separated splits to measure mechanisms on (default: all "
-                                                   "reporting splits)")
-    refuse_renamed(parser, {"--data": "--data-root DIR"})
-    return parser.parse_args(argv)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> Path:
-    from lightning_modules.study.report import write_report
-
-    args = parse_args(argv)
-    try:
-        study = load_study(args.sweep, args.data_root)
-        evaluations, selections = evaluate_study(study, mechanisms=load_mechanisms(
-            args.mechanism_limit, args.mechanism_splits.split(",") if args.mechanism_splits else None),
-            recompute=args.recompute)
-        results = write_report(study, evaluations, selections, args.out or args.sweep / "report")
-    except StudyError as err:
-        raise SystemExit(f"study error: {err}") from None
-    print(f"report: {results}")
-    return results
-

@@ -6,7 +6,7 @@ measurements of a method are chosen by its `method.name` through `MECHANISMS`:
 
 - every CLIP fine-tuning method (clip_ft, clip_cae, macco, smartclip) -- the **attribution gap**, so that
   CAE can be compared with CLIP-FT: mean A_comp - A_obj (x100) over the first `limit` captions of the split
-  (each with its own image), as the attribution monitor measures it (`lightning_modules.attribution.monitor`), for the
+  (each with its own image), as the attribution monitor measures it (`lightning_modules.monitor`), for the
   attention and the gradient attribution, with the schema's default attribution options for every run (all
   layers, mean over heads, renormalised): one instrument for all runs, whatever a CAE run trained on.
   Keys `attr_gap_attention`, `attr_gap_gradient`, and `attr_gap_captions` (the captions with object and
@@ -60,17 +60,17 @@ from torch import Tensor
 from torch.utils.data import default_collate
 
 from core.config import per_device_batch_size
-from lightning_modules import load_run_config
 from core.encoders import CLIPEncoders, canonical_model_name
 from core.export import load_export, read_export_metadata
 from datamodules.shapes import OPPOSITE_RELATION, load_scene_graphs
 from evaluation.benchmarks.base import ImageRef
 from evaluation.benchmarks.images import load_image
-from lightning_modules.attribution.library import AttributionOptions
-from lightning_modules.attribution.monitor import image_embeddings, make_probe, probe_attribution, summarise
-from lightning_modules.losses import mean_over_masked_samples
-from lightning_modules.modular_losses import straight_through_mask
+from lightning_modules import load_run_config
+from lightning_modules.monitor import image_embeddings, make_probe, probe_attribution, summarise
 from lightning_modules.resume import CHECKPOINT_DIR, LAST_CHECKPOINT, checked_checkpoint
+from modeling.attribution import AttributionOptions
+from modeling.losses import mean_over_masked_samples
+from modeling.modular_losses import straight_through_mask
 from parsers.scene_graph import SceneGraphParser
 
 log = logging.getLogger(__name__)
@@ -254,8 +254,14 @@ def ensure_mask_cache(cfg: DictConfig, split: str) -> None:
     """The preprocessing cache of the measured split (pointed at as the validation split), built when missing by
     the same idempotent job as `python -m datamodules.preprocess` (a split the study never preprocessed)."""
     from datamodules.cache import CacheError, open_cache
-    from datamodules.preprocess import (build_parser, cache_directory, cache_settings, make_grounder,
-                                        preprocess_split, split_sources)
+    from datamodules.preprocess import (
+        build_parser,
+        cache_directory,
+        cache_settings,
+        make_grounder,
+        preprocess_split,
+        split_sources,
+    )
 
     source = replace(next(s for s in split_sources(cfg.data, cfg.preprocess) if s.split == "val"), split=split)
     parser, grounder = build_parser(cfg.preprocess), make_grounder(cfg.data, cfg.preprocess)

@@ -14,7 +14,7 @@ like every caption under its own mask m_n (`S[i, n] = tau <norm(x_i * m_n), t_n>
 
 Under data parallelism the image embeddings, text embeddings and masks (and hard captions with their masks)
 of every rank are gathered with gradient and each rank scores only its own rows of sidm and its own columns
-of dism against the whole global batch (open_clip's local-loss semantics, `lightning_modules.losses`):
+of dism against the whole global batch (open_clip's local-loss semantics, `modeling.losses`):
 averaging the ranks' gradients (DDP) then gives exactly the single-process big-batch gradient.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_modules.losses import check_equal_batches, gather_features, world_info
+from modeling.losses import check_equal_batches, gather_features, world_info
 
 # F.normalize's floor on the norm: an all-zero masked image scores 0 instead of NaN.
 NORM_EPS = 1e-12

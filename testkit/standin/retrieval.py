@@ -13,7 +13,7 @@ import random
 import shutil
 from pathlib import Path
 
-from evaluation.benchmarks.standin.images import write_image
+from testkit.standin.images import write_image
 
 DISTINCT_IMAGES = 64
 COLOURS = ("red", "green", "blue", "yellow", "purple", "black")

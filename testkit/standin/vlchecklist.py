@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from evaluation.benchmarks.standin.images import write_image
 from evaluation.benchmarks.vlchecklist import CORPUS, MAX_ITEMS, TAXONOMY
+from testkit.standin.images import write_image
 
 POOL = 8
 MISSING_SOURCE = "Attribute/color/vaw"

@@ -1,9 +1,9 @@
-"""`python -m lightning_modules.attribution.explain`: Grad-ECLIP heat map and per-token text attribution of
+"""`python -m evaluation.explain`: Grad-ECLIP heat map and per-token text attribution of
 image-text pairs.
 
-    python -m lightning_modules.attribution.explain --run runs/X --image cat.jpg --text "a cat on a mat" \
+    python -m evaluation.explain --run runs/X --image cat.jpg --text "a cat on a mat" \
         --text "a mat"
-    python -m lightning_modules.attribution.explain --model ViT-B-32 --pretrained openai --image cat.jpg \
+    python -m evaluation.explain --model ViT-B-32 --pretrained openai --image cat.jpg \
         --text "a cat" --attribution gradcam --start-layer -4 --out cat.png
 
 One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overlaid
@@ -42,7 +42,7 @@ from torchvision.transforms import InterpolationMode
 from core.cli import add_output, output_paths
 from core.encoders import BuiltModel, CLIPEncoders, build_model
 from core.files import atomic_write_bytes, atomic_write_text
-from lightning_modules.attribution.library import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
+from modeling.attribution import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
                                                    TextAttributionInputs, eos_positions, image_grad_eclip,
                                                    text_attribution, word_end_table)
 

@@ -1,8 +1,7 @@
-"""A sweep's files as `slurm.sweep` writes them and the method study (`lightning_modules.study`) reads them.
+"""A sweep's files as `slurm.sweep` writes them and the method study (`study`) reads them.
 
 `SWEEP_FILE` (the expanded grid, in the sweep directory), `RUN_LOG` (each run's output, in its run directory)
-and `export_complete` (whether fit finished a run) live here, below both, so that the study does not
-import the launcher above it (tests/test_layers.py: `slurm` sits above `lightning_modules`).
+and `export_complete` (whether fit finished a run): the launcher's file layout, which the study above it reads.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import itertools
 import json
 from pathlib import Path
 
-from evaluation.benchmarks.standin.images import encoded_pool
+from testkit.standin.images import encoded_pool
 
 NOUNS = ("dog", "cat", "child", "adult", "cup", "plate", "horse", "bird", "tree", "car", "boat", "chair")
 RELATIONS = ("left of", "right of", "above", "below", "behind", "in front of", "next to", "on")

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
-from evaluation.benchmarks.standin import aro, retrieval, sts, sugarcrepe, two_by_two, valse, vlchecklist, whatsup
-from evaluation.benchmarks.standin import zeroshot
+from testkit.standin import aro, retrieval, sts, sugarcrepe, two_by_two, valse, vlchecklist, whatsup, zeroshot
 
 STANDINS: Dict[str, Callable[..., dict]] = {
     "sugarcrepe": sugarcrepe.write_sugarcrepe,

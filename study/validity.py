@@ -1,6 +1,6 @@
 """The testbed validity table of a study: can this testbed show a compositional gain?
 
-Set by `study.validity` in the sweep file (`lightning_modules.study`). Per reporting split it sets the pretrained
+Set by `study.validity` in the sweep file (`study`). Per reporting split it sets the pretrained
 backbones (the global cosine of each backbone export, one per pretraining seed) beside the positive control (a
 grid cell, normally CLIP-FT with hard negatives, at its setting chosen on validation) on 2-way relation,
 attribute and object accuracy and the swap group score, and runs three checks:
@@ -23,9 +23,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from lightning_modules.study.command import Cell, Evaluations, SplitEval, Study, ValiditySettings, metric_values
-from lightning_modules.study.report import TITLES, interval_text, table
-from lightning_modules.study.stats import Interval, difference_interval, seed_interval
+from study.analysis import Cell, Evaluations, metric_values
+from study.settings import SplitEval, Study, ValiditySettings
+from study.stats import Interval, difference_interval, seed_interval
+from study.tables import TITLES, interval_text, table
 
 VALIDITY_METRICS = ("acc_relation", "acc_attribute", "acc_object", "group")
 CHANCE_2WAY = 50.0

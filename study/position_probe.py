@@ -1,4 +1,5 @@
-"""`python -m perf.position_probe [--model NAME] [--init EXPORT] [--steps N]`: can the vision tower learn where things are?
+"""`python -m study.position_probe [--model NAME] [--init EXPORT] [--steps N]`: can the vision tower learn
+where things are?
 
 The shapes-world testbed diagnosis (docs/study.md#diagnosis). Relation direction ("the red square is left
 of the blue circle") needs an image embedding that binds each object's colour to its position. This probe asks
@@ -14,7 +15,7 @@ open_clip draws it at width**-0.5, small beside the patch tokens) 70, 73, 75, 79
 sin_cos_2d` 76% after 400 and 83% after 800; from the study's contrastively pretrained backbone 81% after 400. The
 tower can learn the binding from a direct signal, fast once its position signal is not drowned at the start, while
 contrastive fine-tuning with relation-flip captions (and even with counterfactual twin images in every batch) stays
-at 50%; `perf.relation_text_probe` shows the text tower's half of it.
+at 50%; `study.relation_text_probe` shows the text tower's half of it.
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def add_training_arguments(parser: argparse.ArgumentParser, steps: int, eval_every: int) -> None:
-    """The options every probe of the testbed diagnosis shares (this one and `perf.relation_text_probe`)."""
+    """The options every probe of the testbed diagnosis shares (this one and `study.relation_text_probe`)."""
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from evaluation.benchmarks.standin.images import write_image
+from testkit.standin.images import write_image
 
 CLASS_NAMES = ("red square", "green circle", "blue triangle", "yellow star", "purple ring", "black cross")
 TEMPLATES = ("a photo of a {c}.", "a drawing of the {c}.", "itap of a {c}.")

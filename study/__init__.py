@@ -1,0 +1,19 @@
+"""The method study over a sweep (`python -m study --sweep DIR`), its probes and the demo table.
+
+Above training and the launchers: it reads sweeps (`slurm/`), builds runs' modules (`lightning_modules/`) and
+scores them (`evaluation/`); nothing below imports it. Inside, each module imports only the ones listed before it:
+
+- `stats.py`: Student-t intervals over seeds, the paired items x seeds bootstrap, Welch's difference interval.
+- `settings.py`: the study's settings (the sweep file's `study:` block) and its grid of runs.
+- `analysis.py`: scoring (cached per run with its per-item outcomes), selection on the validation split,
+  summaries over seeds and paired differences.
+- `tables.py`: metric titles, chance levels, interval text and Markdown tables.
+- `validity.py`: the testbed validity table (backbones against the positive control, PASS / FAIL per criterion).
+- `report.py`: results.md / .csv, differences, selection, plots and the TensorBoard hparams view.
+- `mechanisms.py`: each method's own mechanism measured on a run (attribution gaps, MACCO's reconstruction with
+  the true or another partner, SmartCLIP's masks).
+- `cli.py` (also `__main__.py`): the command.
+- `demo.py`: `python -m study.demo`, the demo's table of every method on the shapes world.
+- probes of the testbed itself: `position_probe.py`, `relation_text_probe.py` (can a CLIP of this size learn
+  left/right from pixels, and from text?) and `term_gradients.py` (each loss term's gradient per tower).
+"""
