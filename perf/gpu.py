@@ -31,7 +31,7 @@ evaluation  our harness (`evaluation.harness.run_benchmark` with a `ClipScorer`,
 The device section gives the GPU's name, its dense bf16 peak (BF16_PEAK_TFLOPS, from vendor datasheets, or
 `--peak-tflops`; the output says which) and the rate of a bf16 matrix product measured here (the achievable
 ceiling; the MFU is given against it too). The GPU machine's image has no spaCy: the training batch's caption
-records are written beforehand where spaCy is (`--write-records --out FILE`, see the README's "GPU check").
+records are written beforehand where spaCy is (`--write-records --out FILE`, see docs/gpu.md).
 A benchmark, not a test.
 """
 from __future__ import annotations

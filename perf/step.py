@@ -86,7 +86,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="run each variant alone in a fresh process (one after another) and report its peak "
                              "resident memory beside its step times")
     parser.add_argument("--single", help=argparse.SUPPRESS)  # the child process of --peak-rss: one variant
-    add_key_values(parser, help="config overrides applied to every variant, e.g. data.num_hard_negatives=2")
+    add_key_values(parser, help="config overrides applied to every variant, e.g. method.hard_negatives.captions=2")
     # Options and overrides may interleave (`k=v --model M k2=v2`): overrides apply in the order given.
     return parser.parse_intermixed_args(argv)
 

@@ -142,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print("\nTensorBoard: tensorboard --logdir runs")
     print(f"The demo is a quick tour (one seed, no selection). The controlled method study (every method under "
           f"equal conditions, learning rates chosen on validation, 3 seeds, intervals, paired bootstrap against "
-          f"CLIP-FT): `make study`, table and plots in {STUDY_REPORT}/results.md (README, 'Method study').")
+          f"CLIP-FT): `make study`, table and plots in {STUDY_REPORT}/results.md (docs/study.md).")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ class FrozenRows:
 @dataclass(frozen=True)
 class ValiditySettings:
     """The testbed validity table: backbone exports (one per pretraining seed), the positive control cell and
-    the pass criteria (the defaults are the method study's criteria, in points: README "Method study")."""
+    the pass criteria (the defaults are the method study's criteria, in points: docs/study.md#design)."""
 
     backbones: Tuple[Path, ...]
     control_method: str

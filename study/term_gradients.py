@@ -9,7 +9,7 @@ batches, and for every weighted term prints the norm of its gradient over the te
 rest (the method's head and logit_scale), and the cosine between that gradient and the sum over all terms (the
 direction a step takes). No optimizer step is taken.
 
-Measured for MACCO in the method study (README "The long study"): see the README; the command is there.
+Measured for MACCO in the method study: docs/study.md#maccos-deficit, with the command.
 """
 from __future__ import annotations
 

@@ -34,9 +34,12 @@ class ClipCAEOptions(MethodConfig):
 
     CHOICES: ClassVar[Choices] = {"attr_hinge": ("batch", "caption"),
                                   **{f"attribution.{key}": allowed for key, allowed in ATTRIBUTION_CHOICES.items()}}
+    # The training-time text attribution whose object / composition balance the hinge corrects.
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    # lambda, the weight of L_attr, and eps, the hinge's margin (the paper's symbols).
     attr_weight: float = 1.0
     attr_margin: float = 0.0
+    # One hinge per global "batch" (the paper) or per "caption" [ours].
     attr_hinge: str = "batch"
 
 
@@ -47,13 +50,17 @@ class MaccoOptions(MethodConfig):
     configs/macco.yaml]. Without the mask the text runs untrimmed (all 77 positions are keys, as the original)."""
 
     CHOICES: ClassVar[Choices] = {}
+    # Weights of the four terms: masked contrastive L_mca, masked-to-full alignment L_mir, masked token
+    # prediction L_mlm, masked patch prediction L_mim (the paper's 1, 0.1, 20, 250).
     mca_weight: float = 1.0
     mir_weight: float = 0.1
     mlm_weight: float = 20.0
     mim_weight: float = 250.0
+    # Cross-attention blocks of the text predictor and of the image predictor, and their attention heads.
     text_predictor_depth: int = 2
     image_predictor_depth: int = 3
     predictor_heads: int = 8
+    # true [ours]: the image predictor ignores text keys after EOS; false: the original's unmasked keys.
     key_padding_mask: bool = True
 
 
@@ -66,10 +73,14 @@ class SmartCLIPOptions(MethodConfig):
     """
 
     CHOICES: ClassVar[Choices] = {"mask_positions": ("all", "caption")}
+    # Weights of the modular losses (sidm + dism) and of the mask sparsity mean|m|.
     modular_weight: float = 10.0
     sparsity_weight: float = 2.0
+    # The fixed inverse temperature of the modular losses.
     modular_temperature: float = 100.0
+    # Binary straight-through masks (true) or the soft sigmoid masks (false).
     hard_mask: bool = True
+    # Where the mask network looks: "all" context positions (the official code) or the "caption" only [ours].
     mask_positions: str = "all"
 
 
@@ -83,9 +94,14 @@ class AlignerOptions(MethodConfig):
     """
 
     CHOICES: ClassVar[Choices] = {"aligner_loss": ("infonce", "itm")}
+    # The aligner transformer: width, blocks and attention heads (the paper's 512, 4, 8).
     aligner_width: int = 512
     aligner_layers: int = 4
     aligner_heads: int = 8
+    # "infonce" over the pair grid (plus hard-negative captions) or binary "itm".
     aligner_loss: str = "infonce"
+    # Retrieval: the aligner re-ranks the frozen CLIP's top k candidates.
     rerank_k: int = 16
+    # Pairs scored per step: null = the whole B x B grid; n = the diagonal plus each image's and text's n most
+    # similar in-batch partners by frozen cosine.
     aligner_negatives: Optional[int] = None
