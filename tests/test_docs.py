@@ -438,7 +438,8 @@ def test_the_doc_checks_catch_what_they_are_for(tmp_path):
     missing path, a wrong key and an unknown option (so an empty extraction cannot pass the checks above)."""
     page = tmp_path / "page.md"
     page.write_text("Run `python -m lightning_modules.fit --config configs/clip_ft.yaml\n  trainer.max_stepz=3`.\n"
-                    "```bash\npython -m slurm.sweep configs/sweeps/study.yaml \\\n    --dry-run  # a comment --x\n```\n",
+                    "```bash\npython -m slurm.sweep configs/sweeps/study.yaml \\\n"
+                    "    --dry-run  # a comment --x\n```\n",
                     encoding="utf-8")
     texts = code_texts(page)
     assert "python -m slurm.sweep configs/sweeps/study.yaml      --dry-run  # a comment --x" in texts
