@@ -44,9 +44,12 @@ class ClipCAEOptions(MethodConfig):
 class MaccoOptions(MethodConfig):
     """MACCO-CLIP: loss weights (1 L_mca + 0.1 L_mir + 20 L_mlm + 250 L_mim), predictor depths and heads, and
     whether the image predictor masks the text keys after EOS [ours; the original has no mask: false in
-    configs/macco.yaml]. Without the mask the text runs untrimmed (all 77 positions are keys, as the original)."""
+    configs/macco.yaml]. Without the mask the text runs untrimmed (all 77 positions are keys, as the original).
 
-    CHOICES: ClassVar[Choices] = {}
+    mca_masked: which masked copies enter L_mca as extra anchors and negatives: "both" (the paper's 2B x 2B),
+    or [ours, to take the contrast apart] "text" ([I] x [T; T~]), "image" ([I; I~] x [T]) or "none" (B x B)."""
+
+    CHOICES: ClassVar[Choices] = {"mca_masked": ("both", "text", "image", "none")}
     mca_weight: float = 1.0
     mir_weight: float = 0.1
     mlm_weight: float = 20.0
@@ -55,6 +58,7 @@ class MaccoOptions(MethodConfig):
     image_predictor_depth: int = 3
     predictor_heads: int = 8
     key_padding_mask: bool = True
+    mca_masked: str = "both"
 
 
 @dataclass
