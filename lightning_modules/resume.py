@@ -13,10 +13,16 @@ every candidate is damaged the run stops with an error naming them, instead of s
 
 A run directory is one experiment: a rerun whose resolved config differs from the stored `config.yaml` in
 anything but `RESUME_SAFE_KEYS` is refused before anything is written (`config_changes`).
+
+Two runs give the same result when their configs agree outside `RESULT_NEUTRAL_KEYS`; `config_digest` is the
+fingerprint of that part (a results bundle stores it per run, and the sweep compares it before skipping a run
+whose results the bundle already holds).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import zipfile
 from pathlib import Path
@@ -46,6 +52,11 @@ RESUME_SAFE_KEYS = (
     "trainer.num_sanity_val_steps", "checkpoint.every_n_steps", "evaluation.", "monitor.", "resume", "resume_from",
     "runs_root", "data.num_workers", "trainer.devices", "trainer.num_nodes",
 )
+
+
+# The resume-safe keys that cannot change what a run computes: the length (trainer.max_steps / max_epochs) may
+# change on resume, but two runs of different lengths are different results, so it stays in the digest.
+RESULT_NEUTRAL_KEYS = tuple(key for key in RESUME_SAFE_KEYS if key not in ("trainer.max_steps", "trainer.max_epochs"))
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -125,8 +136,27 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
     return flat
 
 
+def _listed(key: str, keys: Tuple[str, ...]) -> bool:
+    return any(key == listed or (listed.endswith(".") and key.startswith(listed)) for listed in keys)
+
+
 def is_resume_safe(key: str) -> bool:
-    return any(key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in RESUME_SAFE_KEYS)
+    return _listed(key, RESUME_SAFE_KEYS)
+
+
+def result_keys(config: Mapping[str, Any]) -> Dict[str, Any]:
+    """The flattened config without the keys that cannot change a run's result (`RESULT_NEUTRAL_KEYS`: loader
+    workers, device and node counts, logging, evaluation and monitor settings, where it resumes from) and
+    without the per-device batches derived from the device count (the global batch stays)."""
+    return {key: value for key, value in sorted(flatten(config).items())
+            if not _listed(key, RESULT_NEUTRAL_KEYS) and key not in DERIVED_KEYS}
+
+
+def config_digest(config: Mapping[str, Any]) -> str:
+    """sha256 (hex) of `result_keys(config)` as canonical JSON (sorted keys, no spaces): the same for every
+    run that trains the same thing, whatever machine, device count or loader it ran with."""
+    canonical = json.dumps(result_keys(config), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def config_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> List[Tuple[str, Any, Any]]:

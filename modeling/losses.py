@@ -168,14 +168,19 @@ def cae_batch_attribution_loss(attribution: Tensor, obj_mask: Tensor, comp_mask:
 
 
 # ----- MACCO-CLIP (docs/methods.md#macco-losses) -----------------------------------------------------------
-def masked_contrastive_loss(images: Tensor, masked_images: Tensor, texts: Tensor, masked_texts: Tensor,
-                            logit_scale: Tensor, neg_text_features: Optional[Tensor] = None) -> Tensor:
+def masked_contrastive_loss(images: Tensor, masked_images: Optional[Tensor], texts: Tensor,
+                            masked_texts: Optional[Tensor], logit_scale: Tensor,
+                            neg_text_features: Optional[Tensor] = None) -> Tensor:
     """MACCO's `L_mca`: InfoNCE over [I; I~] x [T; T~] (2B x 2B) with labels [0..B-1, 0..B-1], both directions.
 
     Masked samples are extra anchors whose positive is the full sample of the other modality, and extra
     negatives for every other anchor. All inputs [B, D] are L2-normalised. Under data parallelism each rank
-    scores its own 2B rows against the gathered columns [T_all; T~_all] (features gathered with gradient,
+    scores its own rows against the gathered columns [T_all; T~_all] (features gathered with gradient,
     labels offset by B * rank), so the mean over ranks equals the single-process loss of the global batch.
+
+    `masked_images` or `masked_texts` None [ours, `method.mca_masked`]: that modality's masked copies are left
+    out, as anchors and as columns (with both None, CLIP's B x B loss): the contrast with the masked captions
+    only ([I] x [T; T~] and back), or with the masked images only ([I; I~] x [T]).
 
     `neg_text_features` [B, K, D] (MACCO + NegCLIP [ours: the paper states the combination, not its form]):
     NegCLIP's hard captions, gathered like the others and appended as extra columns of the image-to-text
@@ -189,15 +194,19 @@ def masked_contrastive_loss(images: Tensor, masked_images: Tensor, texts: Tensor
         if world_size > 1:
             check_equal_batches(images.shape[0], world_size, images.device)
         gather = lambda x: gather_features(x, rank, world_size, with_grad=True)  # noqa: E731
-        text_columns = torch.cat([gather(texts), gather(masked_texts)])
-        image_columns = torch.cat([gather(images), gather(masked_images)])
-        labels = (torch.arange(images.shape[0], device=images.device) + images.shape[0] * rank).repeat(2)
-        image_rows, text_rows = torch.cat([images, masked_images]), torch.cat([texts, masked_texts])
+        image_rows = [x for x in (images, masked_images) if x is not None]
+        text_rows = [x for x in (texts, masked_texts) if x is not None]
+        # the full samples' columns come first, so the labels index them whichever masked copies follow
+        text_columns = torch.cat([gather(x) for x in text_rows])
+        image_columns = torch.cat([gather(x) for x in image_rows])
+        labels = torch.arange(images.shape[0], device=images.device) + images.shape[0] * rank
         # the hard captions come after every positive column: the labels are unchanged
         image_to_text_columns = (text_columns if negatives is None
                                  else torch.cat([text_columns, gather(negatives).flatten(0, 1)]))
-        image_to_text = F.cross_entropy(logit_scale * image_rows @ image_to_text_columns.T, labels)
-        text_to_image = F.cross_entropy(logit_scale * text_rows @ image_columns.T, labels)
+        image_to_text = F.cross_entropy(logit_scale * torch.cat(image_rows) @ image_to_text_columns.T,
+                                        labels.repeat(len(image_rows)))
+        text_to_image = F.cross_entropy(logit_scale * torch.cat(text_rows) @ image_columns.T,
+                                        labels.repeat(len(text_rows)))
         return (image_to_text + text_to_image) / 2
 
 

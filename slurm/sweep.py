@@ -11,8 +11,9 @@ A sweep file names the config files every run starts from, a grid, fixed overrid
         clip_cae: [method.name=clip_cae, data.masks=true]
       seed: [0, 1]                    # a config key with its values
     overrides: [trainer.max_steps=300]
-    exclude:                          # combinations left out of the product: every axis: label pair must match
-      - {method: clip_cae, seed: 1}
+    exclude:                          # combinations left out of the product: every axis must match (one of
+      - {method: clip_cae, seed: 1}   # the labels, when an axis lists several)
+      - {method: [clip_ft, clip_cae], seed: 2}
     slurm: {nodes: 1, gpus_per_node: 0, cpus_per_task: 2, time: "02:00:00"}
 
 Every combination becomes one run with a stable directory named from its grid choices
@@ -37,6 +38,13 @@ and an error with `--local`, whose runs read them here.
 
 An optional `study:` mapping (settings of the study report, `python -m study`, which validates
 it) is copied into sweep.json unchanged.
+
+An optional `bundle: DIR` names the results bundle the study report writes (`slurm/bundle.py`): a run whose
+record is in `DIR/<name>/runs/` is skipped (`--local`, the SLURM array and each array task alike) when its
+resolved config has the record's digest and its backbone (`model.pretrained`) the record's sha256, so a sweep
+run later, from a clean clone with the backbones regenerated, continues where the bundle stopped. A record that
+differs in either stops the command before anything runs, naming the runs and the differing keys: the bundle
+belongs to another study.
 """
 from __future__ import annotations
 
@@ -58,11 +66,12 @@ import yaml
 from core.cli import add_key_values, key_value_sections, refuse_renamed
 from core.config import ConfigError
 from core.files import atomic_write_text
+from slurm.bundle import file_sha256, pretrained_weights, read_run_record, record_problems
 from slurm.runs import RUN_LOG, SWEEP_FILE, export_complete
 
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
                   "mem": None, "max_parallel": None, "extra": []}
-SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "exclude", "slurm", "study"}
+SWEEP_KEYS = {"name", "runs_root", "configs", "grid", "overrides", "exclude", "slurm", "study", "bundle"}
 # Runs named one by one in a problem (more are given as index ranges).
 FEW_RUNS = 4
 # Thread-count variables a child run gets under --jobs: torch's intra-op pool reads OMP_NUM_THREADS at start.
@@ -95,6 +104,7 @@ class Sweep:
     runs: List[Run]
     slurm: Dict[str, object]
     study: Dict[str, object] = field(default_factory=dict)
+    bundle: Optional[str] = None  # the results bundle whose records this sweep skips (slurm/bundle.py)
 
     @property
     def directory(self) -> Path:
@@ -118,7 +128,10 @@ def load_sweep(path: Path) -> Sweep:
     grid = spec.get("grid") or {}
     runs = expand(grid, list(spec.get("configs") or []), list(spec.get("overrides") or []))
     runs = excluded(runs, checked_exclusions(path, grid, spec.get("exclude") or []))
-    return Sweep(spec["name"], str(spec.get("runs_root", "runs/sweeps")), runs, slurm, study)
+    bundle = spec.get("bundle")
+    if bundle is not None and not (isinstance(bundle, str) and bundle):
+        raise SweepError(f"{path}: bundle must be a folder path, got {bundle!r}")
+    return Sweep(spec["name"], str(spec.get("runs_root", "runs/sweeps")), runs, slurm, study, bundle)
 
 
 def axis_choices(key: str, values) -> List[tuple]:
@@ -148,23 +161,30 @@ def expand(grid: Dict[str, object], configs: List[str], overrides: List[str]) ->
     return runs
 
 
-def checked_exclusions(path: Path, grid: Dict[str, object], exclude) -> List[Dict[str, str]]:
-    """The `exclude` entries as {axis: "axis-label"}; an axis or label the grid lacks is a typo, named here."""
+def checked_exclusions(path: Path, grid: Dict[str, object], exclude) -> List[Dict[str, set]]:
+    """The `exclude` entries as {axis: {"axis-label", ...}} (an entry's axis may list several labels, any of which
+    matches); an axis or label the grid lacks is a typo, named here."""
     if not isinstance(exclude, list) or not all(isinstance(entry, dict) and entry for entry in exclude):
         raise SweepError(f"{path}: exclude must be a list of non-empty {{axis: label}} mappings")
     labels = {key: {label.split("-", 1)[1] for label, _ in axis_choices(key, values)} for key, values in grid.items()}
+    checked = []
     for entry in exclude:
-        for axis, label in entry.items():
-            if axis not in labels or str(label) not in labels[axis]:
-                raise SweepError(f"{path}: exclude names {axis}: {label}, which the grid does not have "
-                                 f"(axes and labels: {({k: sorted(v) for k, v in labels.items()})})")
-    return [{axis: f"{axis}-{label}" for axis, label in entry.items()} for entry in exclude]
+        given = {axis: [str(label) for label in (value if isinstance(value, list) else [value])]
+                 for axis, value in entry.items()}
+        for axis, names in given.items():
+            for label in names:
+                if axis not in labels or label not in labels[axis]:
+                    raise SweepError(f"{path}: exclude names {axis}: {label}, which the grid does not have "
+                                     f"(axes and labels: {({k: sorted(v) for k, v in labels.items()})})")
+        checked.append({axis: {f"{axis}-{label}" for label in names} for axis, names in given.items()})
+    return checked
 
 
-def excluded(runs: List[Run], exclusions: List[Dict[str, str]]) -> List[Run]:
-    """`runs` without those whose choices match every pair of some exclusion (e.g. a method with no condition)."""
-    def matches(run: Run, exclusion: Dict[str, str]) -> bool:
-        return all(run.choices.get(axis) == label for axis, label in exclusion.items())
+def excluded(runs: List[Run], exclusions: List[Dict[str, set]]) -> List[Run]:
+    """`runs` without those whose choice on every axis of some exclusion is one of its labels (e.g. a method with
+    no condition)."""
+    def matches(run: Run, exclusion: Dict[str, set]) -> bool:
+        return all(run.choices.get(axis) in labels for axis, labels in exclusion.items())
     return [run for run in runs if not any(matches(run, exclusion) for exclusion in exclusions)]
 
 
@@ -236,6 +256,68 @@ def check_runs(sweep: Sweep, indices: Sequence[int], data_here: bool) -> List[st
     return lines(data)
 
 
+def run_config(run: Run, runs_root: str) -> dict:
+    """The run's config resolved as fit resolves it, as plain containers (what its config.yaml will hold but the
+    per-device batches)."""
+    from omegaconf import OmegaConf
+
+    from lightning_modules import fit, load_run_config
+
+    args = fit.parse_args(run.fit_args(runs_root))
+    return OmegaConf.to_container(load_run_config(args.config, args.overrides), resolve=True)
+
+
+ABSENT, BUNDLED, UNCHECKED, DIFFERS = "absent", "bundled", "unchecked", "differs"
+
+
+def bundle_status(bundle: Path, sweep_name: str, run: Run, runs_root: str) -> Tuple[str, List[str]]:
+    """Whether the bundle holds this run's results: (ABSENT, []) without a record; (BUNDLED, []) when the record
+    matches the run's config digest and backbone checksum; (DIFFERS, problems) when it does not; (UNCHECKED,
+    [backbone]) when the run's backbone is not here to be checksummed."""
+    from lightning_modules.resume import config_digest, result_keys
+
+    record = read_run_record(bundle, sweep_name, run.name)
+    if record is None:
+        return ABSENT, []
+    config = run_config(run, runs_root)
+    weights = pretrained_weights(config["model"]["pretrained"])
+    if weights is not None and not weights.is_file():
+        return UNCHECKED, [str(weights)]
+    problems = record_problems(record, config_digest(config), result_keys(config),
+                               file_sha256(weights) if weights is not None else None)
+    return (DIFFERS, problems) if problems else (BUNDLED, [])
+
+
+def check_bundle(sweep: Sweep, indices: Sequence[int], data_here: bool) -> Tuple[List[int], List[str]]:
+    """(the tasks of `indices` whose results the sweep's bundle holds: skipped, lines naming the bundled runs
+    whose backbone is not here to check). A record of another config or backbone is a `SweepError` naming the
+    runs and what differs; so is an unchecked backbone when the runs run here (`data_here`, --local)."""
+    if not sweep.bundle:
+        return [], []
+    bundled: List[int] = []
+    differs: Dict[str, List[int]] = {}
+    unchecked: Dict[str, List[int]] = {}
+    for index in indices:
+        status, details = bundle_status(Path(sweep.bundle), sweep.name, sweep.runs[index], str(sweep.directory))
+        if status == BUNDLED:
+            bundled.append(index)
+        for detail in details if status == DIFFERS else []:
+            differs.setdefault(detail, []).append(index)
+        for backbone in details if status == UNCHECKED else []:
+            unchecked.setdefault(f"its backbone {backbone} is not here, so its record in {sweep.bundle} cannot be "
+                                 "checked (train the backbones first: make study does)", []).append(index)
+
+    def lines(found: Dict[str, List[int]]) -> List[str]:
+        return [f"{which_runs(sweep, tasks, len(indices))}: {problem}" for problem, tasks in found.items()]
+
+    if differs or (unchecked and data_here):
+        raise SweepError(f"the bundle {sweep.bundle} holds results of other runs under these runs' names (nothing "
+                         "was submitted or run):\n  - " + "\n  - ".join(lines(differs) + lines(unchecked))
+                         + f"\nThe bundle belongs to another study: move {sweep.bundle} aside to start a new one, or "
+                           "run the configs and backbones it was made with.")
+    return bundled, lines(unchecked)
+
+
 def which_runs(sweep: Sweep, tasks: Sequence[int], checked: int) -> str:
     """The runs a problem concerns: `every run (tasks 0-71)` when all `checked` runs, a few by index and name
     (`tasks 0 (seed-0), 2 (seed-2)`), many by index (`tasks 0-9,12`)."""
@@ -288,7 +370,7 @@ def write_sweep_file(sweep: Sweep) -> Path:
     sweep.directory.mkdir(parents=True, exist_ok=True)
     path = sweep.directory / SWEEP_FILE
     document = {"name": sweep.name, "runs_root": str(sweep.directory), "runs": [asdict(run) for run in sweep.runs],
-                "study": sweep.study}
+                "study": sweep.study, "bundle": sweep.bundle}
     atomic_write_text(path, json.dumps(document, indent=2))
     return path
 
@@ -311,6 +393,14 @@ def run_task(sweep_file: Path, index: int) -> None:
         raise SystemExit(f"{sweep_file} has {len(document['runs'])} runs; no task {index}")
     run = Run(**document["runs"][index])
     print(f"sweep {document['name']}: task {index} -> {run.name}", flush=True)
+    if document.get("bundle"):
+        status, details = bundle_status(Path(document["bundle"]), document["name"], run, document["runs_root"])
+        if status in (DIFFERS, UNCHECKED):
+            raise SystemExit(f"refused: the bundle {document['bundle']} holds another result for {run.name}: "
+                             + "; ".join(details))
+        if status == BUNDLED:
+            print(f"{run.name}: its results are in the bundle {document['bundle']}; nothing to do", flush=True)
+            return
     fit.main(run.fit_args(document["runs_root"]) + slurm_topology())
 
 
@@ -344,19 +434,23 @@ def run_one(command: List[str], log_path: Path, threads: int) -> tuple:
 
 def run_local(sweep: Sweep, sweep_file: Path, jobs: int = 1,
               command: Optional[Callable[[Path, int], List[str]]] = None,
-              indices: Optional[Sequence[int]] = None) -> List[str]:
+              indices: Optional[Sequence[int]] = None, bundled: Sequence[int] = ()) -> List[str]:
     """Every run of the sweep (or those of `indices`) here, `jobs` at a time; returns the names of those that failed.
 
     A run whose export is complete is skipped (a second call resumes an interrupted sweep: fit itself resumes
-    a run that has checkpoints but no export). `command` builds a run's command line (tests swap in trivial
-    ones). A progress line is printed as each run finishes, in the order they finish.
+    a run that has checkpoints but no export), and so is a run of `bundled` (its results are in the sweep's
+    bundle, `check_bundle`). `command` builds a run's command line (tests swap in trivial ones). A progress line
+    is printed as each run finishes, in the order they finish.
     """
     command = command or task_command
     indices = range(len(sweep.runs)) if indices is None else indices
     total, threads = len(indices), local_threads(jobs)
     pending, finished, failed = [], 0, []
     for index, run in ((index, sweep.runs[index]) for index in indices):
-        if export_complete(sweep.directory / run.name):
+        if index in bundled:
+            finished += 1
+            print(f"[{finished}/{total}] {run.name} skipped: its results are in the bundle {sweep.bundle}", flush=True)
+        elif export_complete(sweep.directory / run.name):
             finished += 1
             print(f"[{finished}/{total}] {run.name} skipped: its export exists", flush=True)
         else:
@@ -413,26 +507,35 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
             chosen = " ".join(f"only.{axis}={labels}" for axis, labels in args.only.items())
             raise SweepError(f"{chosen} selects none of the {len(sweep.runs)} runs")
         missing_data = check_runs(sweep, indices, data_here=args.local)
+        bundled, unchecked = check_bundle(sweep, indices, data_here=args.local)
     except SweepError as err:
         raise SystemExit(f"sweep error: {err}") from None
     for line in missing_data:
         print(f"warning: {line}; not found here, fit checks it again where each run starts", file=sys.stderr)
+    for line in unchecked:
+        print(f"warning: {line}; each of these runs checks it where it starts", file=sys.stderr)
+    submitted = [index for index in indices if index not in bundled]
     if args.dry_run:
-        print(sbatch_script(sweep, sweep.directory / SWEEP_FILE, indices))
+        print(sbatch_script(sweep, sweep.directory / SWEEP_FILE, submitted) if submitted else
+              f"# nothing to submit: the results of all {len(indices)} runs are in the bundle {sweep.bundle}")
         for index in indices:
-            run = sweep.runs[index]
-            print(f"# task {index}: {sweep.directory / run.name}  {' '.join(run.fit_args(str(sweep.directory)))}")
+            run, skipped = sweep.runs[index], "  (in the bundle: skipped)" if index in bundled else ""
+            print(f"# task {index}: {sweep.directory / run.name}  {' '.join(run.fit_args(str(sweep.directory)))}"
+                  f"{skipped}")
         return None
     sweep_file = write_sweep_file(sweep)
     if args.local:
-        failed = run_local(sweep, sweep_file, args.jobs, indices=indices)
+        failed = run_local(sweep, sweep_file, args.jobs, indices=indices, bundled=bundled)
         if failed:
             raise SystemExit(f"{len(failed)} of {len(indices)} runs failed (logs: <run>/{RUN_LOG}): "
                              + ", ".join(failed))
         return None
-    job_id = submit(sbatch_script(sweep, sweep_file, indices))
-    print(f"submitted array job {job_id}: {len(indices)} runs under {sweep.directory}; "
-          f"tensorboard --logdir {sweep.directory}")
+    if not submitted:
+        print(f"nothing to submit: the results of all {len(indices)} runs are in the bundle {sweep.bundle}")
+        return None
+    job_id = submit(sbatch_script(sweep, sweep_file, submitted))
+    print(f"submitted array job {job_id}: {len(submitted)} runs under {sweep.directory} ({len(bundled)} in the "
+          f"bundle, skipped); tensorboard --logdir {sweep.directory}")
     return job_id
 
 

@@ -9,10 +9,13 @@ scores them (`evaluation/`); nothing below imports it. Inside, each module impor
   summaries over seeds and paired differences.
 - `tables.py`: metric titles, chance levels, interval text and Markdown tables.
 - `validity.py`: the testbed validity table (backbones against the positive control, PASS / FAIL per criterion).
-- `report.py`: results.md / .csv, differences, selection, plots and the TensorBoard hparams view.
+- `report.py`: results.md / .csv, differences, selection, plots and the TensorBoard hparams view; the same
+  Markdown as one page (`write_page`).
+- `bundle.py`: the study kept as data (records per run, frozen rows, report.json; the layout is
+  `slurm/bundle.py`'s), merged sitting by sitting, and the study read back from it alone.
 - `mechanisms.py`: each method's own mechanism measured on a run (attribution gaps, MACCO's reconstruction with
   the true or another partner, SmartCLIP's masks).
-- `cli.py` (also `__main__.py`): the command.
+- `cli.py` (also `__main__.py`): the command; `page.py`: `python -m study.page`, the report page from a bundle.
 - `demo.py`: `python -m study.demo`, the demo's table of every method on the shapes world.
 - probes of the testbed itself: `position_probe.py`, `relation_text_probe.py` (can a CLIP of this size learn
   left/right from pixels, and from text?) and `term_gradients.py` (each loss term's gradient per tower).

@@ -1,5 +1,6 @@
 """The study's analysis: scoring runs (cached with their per-item outcomes), choosing each method's setting on
-the validation split, and the summaries and paired differences over seeds (steps 1-4 of `study/cli.py`).
+the validation split, and the summaries and paired differences over seeds (steps 1-4 of `study/cli.py`), the
+checks beside each row and the composition / recognition trade-off.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -23,8 +24,10 @@ from study.settings import (
     NO_SEED,
     OUTCOME_FLAGS,
     PAIRED_METRICS,
+    RECOGNITION_METRICS,
     RETRIEVAL_METRICS,
     SWAP_METRICS,
+    TRADEOFF_METRICS,
     Evaluator,
     GridRun,
     Mechanisms,
@@ -40,9 +43,11 @@ from study.stats import Interval, paired_bootstrap, seed_interval
 
 # ----- scoring and its cache --------------------------------------------------------------------------------
 def score_splits(export_dir: Path, scorer_name: str, data: Path, splits: Sequence[str]) -> Dict[str, SplitEval]:
-    """The real evaluator: swap-set outcomes and retrieval on each split, the export loaded once."""
+    """The real evaluator, the export loaded once: per split the swap set's outcomes (composition), retrieval over
+    the split's captions and zero-shot shape and colour classification of its objects (recognition)."""
     from evaluation.benchmarks.retrieval import CocoRetrieval
     from evaluation.benchmarks.two_by_two import ShapesSwap
+    from evaluation.benchmarks.zeroshot import ShapesZeroShot
     from evaluation.harness import run_benchmark
     from study.demo import build_scorer
 
@@ -52,9 +57,12 @@ def score_splits(export_dir: Path, scorer_name: str, data: Path, splits: Sequenc
         swap = run_benchmark(ShapesSwap(data, split=split), scorer)
         retrieval = run_benchmark(CocoRetrieval(data, annotation_file=f"annotations/captions_{split}.json",
                                                 images=Path(data) / "images" / split), scorer)
+        zeroshot = run_benchmark(ShapesZeroShot(data, split=split), scorer)
         scored[split] = {"swap_outcomes": [compact_outcome(o) for o in swap.outcomes], "swap": swap.aggregates,
                          "retrieval_outcomes": [[o["direction"], o["rank"], o["ties"]] for o in retrieval.outcomes],
-                         "retrieval": retrieval.aggregates}
+                         "retrieval": retrieval.aggregates,
+                         "zeroshot_outcomes": [[o["id"], o["label"], o["rank"], o["ties"]] for o in zeroshot.outcomes],
+                         "zeroshot": zeroshot.aggregates}
     return scored
 
 
@@ -164,13 +172,19 @@ def add_mechanisms(result: RunScores, mechanisms: Mechanisms, run_dir: Path, dat
 
 
 # ----- scoring the study ------------------------------------------------------------------------------------
+Curves = Dict[str, Tuple[List[int], List[float]]]  # metric -> (steps, values)
+CURVE_PREFIX = "eval/shapes_swap/"
+CURVE_METRICS = ("group", "acc_relation", "acc_attribute", "acc_object", "text", "image")
+
+
 @dataclass
 class Evaluations:
-    """Everything scored for the report, keyed by grid run name or frozen row label."""
+    """Everything scored for the report, keyed by grid run name (check runs too) or frozen row label."""
 
     scores: Dict[str, Dict[str, SplitEval]] = field(default_factory=dict)
     missing: Dict[str, str] = field(default_factory=dict)  # grid run name -> why it has no scores
     errors: Dict[str, List[str]] = field(default_factory=dict)  # run or row -> problems (mechanisms, scoring)
+    curves: Dict[str, Curves] = field(default_factory=dict)  # grid run name -> its validation curves
 
     def metric(self, name: str, split: str, metric: str) -> Optional[float]:
         scores = self.scores.get(name, {}).get(split)
@@ -178,10 +192,32 @@ class Evaluations:
 
 
 def metric_values(scores: SplitEval) -> Dict[str, float]:
-    """The report's metrics of one run on one split (NaN where undefined, e.g. no item of a type)."""
+    """The report's metrics of one run on one split (NaN where undefined, e.g. no item of a type, or a split
+    scored before recognition was)."""
+    zeroshot = scores.get("zeroshot") or {}
     values = {**{m: scores["swap"].get(m) for m in SWAP_METRICS},
-              **{m: scores["retrieval"].get(m) for m in RETRIEVAL_METRICS}}
+              **{m: scores["retrieval"].get(m) for m in RETRIEVAL_METRICS},
+              **{m: zeroshot.get(m) for m in RECOGNITION_METRICS}}
     return {key: float("nan") if value is None else float(value) for key, value in values.items()}
+
+
+def read_curves(run_dir: Path) -> Curves:
+    """The run's `eval/shapes_swap/<metric>` scalars from its TensorBoard events ({} when it has none); a step
+    logged twice (a resumed run) keeps its last value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = Path(run_dir) / "tb" / "version_0"
+    if not log_dir.is_dir():
+        return {}
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    curves = {}
+    for tag in events.Tags().get("scalars", []):
+        metric = tag[len(CURVE_PREFIX):] if tag.startswith(CURVE_PREFIX) else None
+        if metric in CURVE_METRICS:
+            points = {event.step: event.value for event in events.Scalars(tag)}
+            curves[metric] = (sorted(points), [float(points[step]) for step in sorted(points)])
+    return curves
 
 
 def missing_reason(run: GridRun) -> Optional[str]:
@@ -210,22 +246,27 @@ def run_target(run: GridRun, with_mechanisms: bool) -> Target:
                   run.directory if with_mechanisms else None)
 
 
-def frozen_targets(study: Study) -> List[Target]:
-    """One target per frozen row, each cached under <sweep>/study_frozen/<label>/ (the backbone is not ours)."""
+def frozen_targets(study: Study, stored: Collection[str] = ()) -> List[Target]:
+    """One target per frozen row, each cached under <sweep>/study_frozen/<label>/ (the backbone is not ours);
+    none when every row is `stored` (its scores are in a results bundle) and the backbone is not here."""
     frozen = study.settings.frozen
     if not (frozen.export / "model.json").is_file():
+        if set(frozen.rows) <= set(stored):
+            return []
         raise StudyError(f"study.frozen.backbone: no export at {frozen.export} (train the backbone first)")
     return [Target(label, frozen.export, scorer, frozen_cache(study, label)) for label, scorer in frozen.rows.items()]
 
 
-def validity_targets(study: Study) -> List[Target]:
-    """One target per validity backbone (global cosine), cached under <sweep>/study_frozen/validity_<i>/."""
+def validity_targets(study: Study, stored: Collection[str] = ()) -> List[Target]:
+    """One target per validity backbone (global cosine), cached under <sweep>/study_frozen/validity_<i>/; a
+    backbone whose export is not here but whose scores are `stored` is left out."""
     validity = study.settings.validity
-    absent = [str(export) for export in validity.backbones if not (export / "model.json").is_file()]
+    pairs = [(name, export) for name, export in zip(validity.names(), validity.backbones)
+             if (export / "model.json").is_file() or name not in stored]
+    absent = [str(export) for _, export in pairs if not (export / "model.json").is_file()]
     if absent:
         raise StudyError(f"study.validity.backbones: no export at {absent} (train the backbones first)")
-    return [Target(name, export, "clip", frozen_cache(study, name))
-            for name, export in zip(validity.names(), validity.backbones)]
+    return [Target(name, export, "clip", frozen_cache(study, name)) for name, export in pairs]
 
 
 def frozen_cache(study: Study, label: str) -> Path:
@@ -255,30 +296,61 @@ def score_targets(targets: Sequence[Target], splits: Sequence[str], data: Path, 
                  f"{result.describe(time.perf_counter() - start)}")
 
 
+@dataclass
+class Stored:
+    """Scores kept in a results bundle (`study/bundle.py`) for runs and rows whose folders are not here."""
+
+    runs: Dict[str, Dict[str, SplitEval]] = field(default_factory=dict)  # grid and check runs
+    frozen: Dict[str, Dict[str, SplitEval]] = field(default_factory=dict)  # frozen rows, validity backbones
+    curves: Dict[str, Curves] = field(default_factory=dict)
+    errors: Dict[str, List[str]] = field(default_factory=dict)
+
+
+def split_runs(runs: Sequence[GridRun], evaluations: Evaluations, stored: Stored) -> List[GridRun]:
+    """The runs whose export is here (returned, to be scored); the others take their stored scores and curves
+    or are listed as missing. A run with both scores from its folder: the folder is the one that is scored."""
+    ready = []
+    for run in runs:
+        reason = missing_reason(run)
+        if reason is None:
+            ready.append(run)
+            evaluations.curves[run.name] = read_curves(run.directory)
+        elif run.name in stored.runs:
+            evaluations.scores[run.name] = dict(stored.runs[run.name])
+            evaluations.curves[run.name] = stored.curves.get(run.name, {})
+            if stored.errors.get(run.name):
+                evaluations.errors[run.name] = list(stored.errors[run.name])
+        else:
+            evaluations.missing[run.name] = reason
+    return ready
+
+
 def evaluate_study(study: Study, evaluator: Evaluator = score_splits, mechanisms: Optional[Mechanisms] = None,
-                   progress: Progress = print, recompute: bool = False
-                   ) -> Tuple[Evaluations, Dict[Tuple[str, str], Selection]]:
+                   progress: Progress = print, recompute: bool = False, stored: Optional[Stored] = None,
+                   score_all: bool = False) -> Tuple[Evaluations, Dict[Tuple[str, str], Selection]]:
     """Score the study: every grid run on the selection split, then the chosen settings' runs and the frozen
-    rows on the reporting splits. Returns the scores and the selections (see `select_settings`).
+    rows on the reporting splits, and every check run on the selection split. Returns the scores and the
+    selections (see `select_settings`).
+
+    `stored`: scores from a results bundle, for the runs and rows whose folders are not here. `score_all`: score
+    (and measure) every run on every split, not only the chosen settings' runs on the reporting splits, so that
+    a bundle holds whatever a later selection (with more seeds finished) chooses; the selection reads the
+    selection split all the same.
 
     Cost on two CPU cores (one thread, a 500-item swap split and 500 retrieval images, ViT-Shapes-16-64): about
     6 s per run and split with the global cosine, about 160 s per split for the SGI row.
     """
-    settings, evaluations = study.settings, Evaluations()
-    frozen = frozen_targets(study) if settings.frozen else []  # a missing backbone stops before any scoring
-    validity = validity_targets(study) if settings.validity else []
-    ready = []
-    for run in study.runs:
-        reason = missing_reason(run)
-        if reason is None:
-            ready.append(run)
-        else:
-            evaluations.missing[run.name] = reason
+    settings, evaluations, stored = study.settings, Evaluations(), stored or Stored()
+    frozen = frozen_targets(study, stored.frozen) if settings.frozen else []  # a missing backbone stops first
+    validity = validity_targets(study, stored.frozen) if settings.validity else []
+    ready = split_runs(study.runs, evaluations, stored)
+    for label, scores in stored.frozen.items():
+        evaluations.scores[label] = dict(scores)
     score_targets([run_target(run, False) for run in ready], [settings.selection_split], settings.data, evaluator,
                   None, evaluations, settings.selection_split, progress, recompute)
     selections = select_settings(study, evaluations)
     chosen = [run for run in ready if run.name in evaluations.scores
-              and selections[(run.method, run.condition)].chosen == run.setting]
+              and (score_all or selections[(run.method, run.condition)].chosen == run.setting)]
     score_targets([run_target(run, True) for run in chosen], settings.splits, settings.data, evaluator, mechanisms,
                   evaluations, "report", progress, recompute)
     # Frozen rows have no setting to choose: the selection split would cost them time (SGI: minutes) for nothing.
@@ -286,6 +358,9 @@ def evaluate_study(study: Study, evaluator: Evaluator = score_splits, mechanisms
                   recompute)
     score_targets(validity, settings.splits, settings.data, evaluator, None, evaluations, "validity", progress,
                   recompute)
+    checks = split_runs(study.checks, evaluations, stored)
+    score_targets([run_target(run, False) for run in checks], [settings.selection_split], settings.data, evaluator,
+                  None, evaluations, "checks", progress, recompute)
     return evaluations, selections
 
 
@@ -403,9 +478,29 @@ def item_values(outcomes: Sequence[Mapping[str, object]], metric: str) -> Dict[s
     raise StudyError(f"no per-item form of the metric {metric!r}")
 
 
+def split_item_values(scores: SplitEval, metric: str) -> Dict[str, float]:
+    """Per item of one scoring, its share (x100) of `metric`, whose mean over items is the aggregate: the swap
+    set's metrics (`item_values`); zero-shot top-1, `shape_top1` / `color_top1` or both attributes pooled
+    (`zeroshot_top1`: an item per object and attribute, 100 when the gold class ranks first); R@1 over the
+    queries of both retrieval directions (`retrieval_r1`: an item per query, `<direction>:<index in the
+    stored order>`, 100 when its rank is 0)."""
+    if metric in RECOGNITION_METRICS or metric == "zeroshot_top1":
+        prefix = "" if metric == "zeroshot_top1" else metric[:-len("_top1")] + ":"
+        return {str(item): 100.0 * (int(rank) == 0) for item, _, rank, _ in scores.get("zeroshot_outcomes") or []
+                if str(item).startswith(prefix)}
+    if metric == "retrieval_r1":
+        values: Dict[str, float] = {}
+        counts: Dict[str, int] = {}
+        for direction, rank, _ in scores["retrieval_outcomes"]:
+            counts[direction] = counts.get(direction, 0) + 1
+            values[f"{direction}:{counts[direction] - 1}"] = 100.0 * (int(rank) == 0)
+        return values
+    return item_values(scores["swap_outcomes"], metric)
+
+
 def outcome_matrix(cell: Cell, seeds: Sequence[str], metric: str) -> Tuple[List[str], np.ndarray]:
     """[len(seeds), items] per-item values of `metric` (items sorted by id; every seed must hold the same)."""
-    rows = [item_values(cell.seeds[seed]["swap_outcomes"], metric) for seed in seeds]
+    rows = [split_item_values(cell.seeds[seed], metric) for seed in seeds]
     ids = sorted(rows[0])
     if any(sorted(row) != ids for row in rows):
         raise StudyError(f"{cell.method} ({cell.condition}) on {cell.split}: the seeds were scored on different items")
@@ -442,6 +537,8 @@ def compare(method: Cell, reference: Cell, reference_label: str, metric: str, re
         return None
     ids, values = outcome_matrix(method, method_seeds, metric)
     reference_ids, reference_values = outcome_matrix(reference, reference_seeds, metric)
+    if not ids and not reference_ids:  # not scored on this metric (a split scored before recognition was)
+        return None
     if ids != reference_ids:
         raise StudyError(f"{method.method} and {reference_label} were scored on different {method.split} items")
     interval = paired_bootstrap(values, reference_values, resamples=resamples, seed=seed)
@@ -486,3 +583,83 @@ def comparisons(cells: Sequence[Cell], settings: StudySettings) -> List[Comparis
                                  settings.bootstrap_seed)
             found += [comparison] if comparison else []
     return found
+
+
+def tradeoffs(cells: Sequence[Cell], settings: StudySettings) -> List[Comparison]:
+    """What each row gains in composition and costs in recognition: every trained row, and every frozen row but
+    the reference, against the frozen reference (the backbone's global cosine) on TRADEOFF_METRICS, with the
+    same paired bootstrap as `comparisons` (none without frozen rows)."""
+    frozen = settings.frozen
+    if frozen is None:
+        return []
+    by_key = {(cell.method, cell.condition, cell.split): cell for cell in cells}
+    found = []
+    for cell in cells:
+        reference = by_key.get((frozen.reference, NO_CONDITION, cell.split))
+        if reference is None or cell is reference:
+            continue
+        for metric in TRADEOFF_METRICS:
+            comparison = compare(cell, reference, frozen.reference, metric, settings.resamples,
+                                 settings.bootstrap_seed)
+            found += [comparison] if comparison else []
+    return found
+
+
+# ----- checks beside each row ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckResult:
+    """A check run against the grid run it varies (same method, condition, setting and seed) on the selection
+    split: the two values and their difference with a paired bootstrap over items (one seed)."""
+
+    check: GridRun
+    reference: str  # the grid run's name
+    chosen: bool  # the grid run's setting is its row's chosen one (the check stands beside the reported row)
+    metric: str
+    value: float
+    reference_value: float
+    interval: Interval
+    n_items: int
+
+
+def check_results(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection]
+                  ) -> List[CheckResult]:
+    """Every scored check run against its grid run on the selection split, for each of PAIRED_METRICS."""
+    split, settings = study.settings.selection_split, study.settings
+    grid = {(run.method, run.condition, run.setting, run.seed): run for run in study.runs}
+    results = []
+    for check in study.checks:
+        base = grid.get((check.method, check.condition, check.setting, check.seed))
+        mine, theirs = (evaluations.scores.get(run.name, {}).get(split) if run else None for run in (check, base))
+        if mine is None or theirs is None:
+            continue
+        chosen = selections[(base.method, base.condition)].chosen == base.setting
+        for metric in PAIRED_METRICS:
+            values, reference = split_item_values(mine, metric), split_item_values(theirs, metric)
+            ids = sorted(values)
+            if ids != sorted(reference):
+                raise StudyError(f"check {check.name} and {base.name} were scored on different {split} items")
+            interval = paired_bootstrap(np.array([[values[i] for i in ids]]), np.array([[reference[i] for i in ids]]),
+                                        resamples=settings.resamples, seed=settings.bootstrap_seed)
+            results.append(CheckResult(check, base.name, chosen, metric, metric_values(mine)[metric],
+                                       metric_values(theirs)[metric], interval, len(ids)))
+    return results
+
+
+# ----- everything the report shows ------------------------------------------------------------------------------
+@dataclass
+class Findings:
+    """The report's numbers, computed once from the scores: rows per split, their summaries over seeds, the
+    paired differences (baseline, frozen reference, contrast), the trade-off and the checks."""
+
+    cells: List[Cell]
+    summaries: List[Summary]
+    differences: List[Comparison]
+    tradeoffs: List[Comparison]
+    checks: List[CheckResult]
+
+
+def analyse(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection]) -> Findings:
+    cells = study_cells(study, evaluations, selections)
+    return Findings(cells, [summary for cell in cells for summary in summarise(cell)],
+                    comparisons(cells, study.settings), tradeoffs(cells, study.settings),
+                    check_results(study, evaluations, selections))

@@ -1,17 +1,25 @@
-"""The study's report files (`python -m study`): tables, CSV, plots and the TensorBoard view.
+"""The study's report files (`python -m study`) and page (`python -m study.page`): tables, CSV, plots and the
+TensorBoard view.
 
 `<out>/report/` gets:
 - `results.md`: per reporting split, every row's scores as `mean [low, high]` (Student-t 95% over seeds) at its
   validation-chosen setting; the selection table (every setting's validation mean); the paired differences
-  against the reference; the mechanism metrics; the grid runs that are missing or failed;
+  against the reference; the composition / recognition trade-off against the frozen backbone; the checks beside
+  each row (one-seed variants on the selection split); the mechanism metrics; the grid runs that are missing or
+  failed;
 - `results.csv` (long: method, negatives, split, metric, mean, low, high, n_seeds, lr; mechanism metrics as
-  `mechanism/<key>`), `differences.csv`, `selection.csv`, and `cells.json`: for every row and reporting split,
-  the cache file (`study_eval.json`) of each seed, whose per-item outcomes the numbers are computed from;
+  `mechanism/<key>`), `differences.csv`, `tradeoffs.csv` (each row minus the frozen reference), `selection.csv`,
+  and `cells.json`: for every row and reporting split, the cache file (`study_eval.json`) of each seed, whose
+  per-item outcomes the numbers are computed from;
 - `scores_<split>.png` (group score and 2-way relation accuracy with their intervals),
-  `validation_curves.png` (every run's `eval/shapes_swap/*` TensorBoard curve, a column per method);
+  `tradeoff_<split>.png` (each row's swap group change against its zero-shot and R@1 change, from the frozen
+  backbone), `validation_curves.png` (every run's `eval/shapes_swap/*` TensorBoard curve, a column per method);
 - `tb_hparams/`: one hparams session per scored run (`tensorboard --logdir <report>/tb_hparams`);
 - with `study.validity`: the "Testbed validity" section of results.md (first, and printed), its rows in
   results.csv (`validity/*`) and `validity.json` (validity.py).
+
+`write_page` writes the same Markdown as one page (the figures beside it in `images/`, named `study_*.png`),
+from scores alone: the page a results bundle regenerates (`study/page.py`).
 """
 from __future__ import annotations
 
@@ -21,82 +29,142 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from core.files import atomic_write_text
 from study import validity as study_validity
 from study.analysis import (
+    CURVE_METRICS,
+    CURVE_PREFIX,
     Cell,
+    CheckResult,
     Comparison,
+    Curves,
     Evaluations,
+    Findings,
     Selection,
     Summary,
-    comparisons,
+    analyse,
     json_safe,
     metric_values,
-    study_cells,
-    summarise,
 )
-from study.settings import METRICS, NO_CONDITION, PAIRED_METRICS, Progress, Study
+from study.settings import METRICS, NO_CONDITION, PAIRED_METRICS, TRADEOFF_METRICS, Progress, Study
 from study.stats import Interval
 from study.tables import CHANCE, TITLES, interval_text, mechanism_text, table
 
-CURVE_PREFIX = "eval/shapes_swap/"
-CURVE_METRICS = ("group", "acc_relation", "acc_attribute", "acc_object", "text", "image")
 TB_DIR = "tb_hparams"
+FOLDER_SOURCE = "each run's `study_eval.json` (`cells.json` here names the files behind every row)"
+CURVE_PLOT = "validation_curves"
+Numbers = Tuple[Findings, Optional[study_validity.Validity]]
+Figures = Dict[str, str]  # figure name (e.g. "scores_test") -> its link in the Markdown
+
+
+def report_numbers(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection]
+                   ) -> Numbers:
+    """Every number of the report, computed once: the findings and, with `study.validity`, the validity table."""
+    findings = analyse(study, evaluations, selections)
+    validity = (study_validity.measure_validity(study, evaluations, findings.cells) if study.settings.validity
+                else None)
+    return findings, validity
 
 
 def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection],
-                 out_dir: Path, progress: Progress = print) -> Path:
+                 out_dir: Path, progress: Progress = print, numbers: Optional[Numbers] = None) -> Path:
     """Every report file under `out_dir`; returns the path of results.md. The testbed validity section, when
-    the study has one, also goes to `progress` (it is the first thing to read: can the testbed show a gain?)."""
+    the study has one, also goes to `progress` (it is the first thing to read: can the testbed show a gain?).
+    `numbers`: `report_numbers` when the caller has them already."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells = study_cells(study, evaluations, selections)
-    summaries = [summary for cell in cells for summary in summarise(cell)]
-    differences = comparisons(cells, study.settings)
-    validity, validity_lines, validity_rows = None, [], []
-    if study.settings.validity:
-        validity = study_validity.measure_validity(study, evaluations, cells)
+    findings, validity = numbers or report_numbers(study, evaluations, selections)
+    validity_lines, validity_rows = [], []
+    if validity is not None:
         validity_lines = study_validity.markdown_section(validity, study.settings.selection_split)
         validity_rows = study_validity.csv_rows(validity)
         atomic_write_text(out_dir / "validity.json", json.dumps(json_safe(study_validity.as_json(validity)), indent=2))
         progress("\n".join(validity_lines))
-    atomic_write_text(out_dir / "results.md", markdown(study, evaluations, selections, summaries, differences,
-                                                       validity_lines))
-    atomic_write_text(out_dir / "results.csv", results_csv(summaries, validity_rows))
-    atomic_write_text(out_dir / "differences.csv", differences_csv(differences))
+    figures = write_figures(study, evaluations, selections, findings, out_dir, prefix="")
+    atomic_write_text(out_dir / "results.md", markdown(study, evaluations, selections, findings, validity_lines,
+                                                       figures, FOLDER_SOURCE))
+    atomic_write_text(out_dir / "results.csv", results_csv(findings.summaries, validity_rows))
+    atomic_write_text(out_dir / "differences.csv", differences_csv(findings.differences))
+    atomic_write_text(out_dir / "tradeoffs.csv", differences_csv(findings.tradeoffs))
     atomic_write_text(out_dir / "selection.csv", selection_csv(study, selections))
-    atomic_write_text(out_dir / "cells.json", cells_manifest(cells))
-    for split in study.settings.splits:
-        plot_scores(summaries, split, report_rows(study, summaries, split), out_dir / f"scores_{split}.png")
-    plot_validation_curves(study, selections, out_dir / "validation_curves.png")
+    atomic_write_text(out_dir / "cells.json", cells_manifest(findings.cells))
     write_hparams(study, evaluations, selections, out_dir / TB_DIR)
     return out_dir / "results.md"
 
 
+def write_page(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection], page: Path,
+               header: Sequence[str], source: str, plots: bool = True) -> str:
+    """The report as one Markdown page (`header` first), its figures in `images/` beside it as `study_*.png`
+    (`plots` False: the page alone); returns the page's text."""
+    findings, validity = report_numbers(study, evaluations, selections)
+    validity_lines = (study_validity.markdown_section(validity, study.settings.selection_split) if validity
+                      else [])
+    names = figure_names(study)
+    figures = {name: f"images/study_{name}.png" for name in names}
+    if plots:
+        write_figures(study, evaluations, selections, findings, page.parent / "images", prefix="study_")
+    text = "\n".join(header) + "\n\n" + markdown(study, evaluations, selections, findings, validity_lines, figures,
+                                                 source)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(page, text)
+    return text
+
+
+# ----- figures ------------------------------------------------------------------------------------------------
+def figure_names(study: Study) -> List[str]:
+    return ([f"scores_{split}" for split in study.settings.splits] + [f"tradeoff_{split}" for split in
+            study.settings.splits] if study.settings.frozen else [f"scores_{split}" for split in
+            study.settings.splits]) + [CURVE_PLOT]
+
+
+def write_figures(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection],
+                  findings: Findings, folder: Path, prefix: str) -> Figures:
+    """Every plot as `<folder>/<prefix><name>.png`; returns name -> file name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = figure_names(study)
+    for split in study.settings.splits:
+        plot_scores(findings.summaries, split, report_rows(study, findings.summaries, split),
+                    folder / f"{prefix}scores_{split}.png")
+        if f"tradeoff_{split}" in names:
+            plot_tradeoff(findings.tradeoffs, split, folder / f"{prefix}tradeoff_{split}.png")
+    plot_validation_curves(study, selections, evaluations.curves, folder / f"{prefix}{CURVE_PLOT}.png")
+    return {name: f"{prefix}{name}.png" for name in names}
+
+
 # ----- markdown -----------------------------------------------------------------------------------------------
 def markdown(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection],
-             summaries: Sequence[Summary], differences: Sequence[Comparison],
-             validity_lines: Sequence[str] = ()) -> str:
-    settings = study.settings
-    lines = [f"# Study report: {study.directory.name}", ""] + preamble(study, evaluations) + [""]
+             findings: Findings, validity_lines: Sequence[str] = (), figures: Optional[Figures] = None,
+             source: str = FOLDER_SOURCE) -> str:
+    settings, figures = study.settings, figures or {}
+    lines = [f"# Study report: {study.directory.name}", ""] + preamble(study, evaluations, source) + [""]
     lines += list(validity_lines)
     for split in settings.splits:
         lines += [f"## Scores on `{split}` (mean [95% t-interval over seeds], setting chosen on "
                   f"`{settings.selection_split}`)", ""]
-        lines += scores_table(study, summaries, split) + [""]
+        lines += scores_table(study, findings.summaries, split) + [""]
+        lines += figure(figures, f"scores_{split}", f"swap group and 2-way relation on {split}, mean and 95% "
+                                                    "interval over seeds")
     lines += [f"## Selection on `{settings.selection_split}`: mean {settings.selection_metric} over seeds "
               "(seeds) per setting; the chosen one in bold", ""]
     lines += selection_table(study, selections) + [""]
     lines += ["## Paired differences: method minus reference on the same items, paired bootstrap over items x "
               f"seeds ({settings.resamples} resamples), 95% interval", ""]
-    lines += differences_table(differences) + [""]
-    lines += mechanisms_section(study, summaries)
+    lines += differences_table(findings.differences) + [""]
+    lines += tradeoff_section(study, findings.tradeoffs, figures)
+    lines += checks_section(study, findings.checks)
+    lines += mechanisms_section(study, findings.summaries)
+    lines += ["## Validation curves (every run; the chosen setting's solid)", ""]
+    lines += figure(figures, CURVE_PLOT, "validation curves of every run, a column per method")
     lines += missing_section(study, evaluations)
     return "\n".join(lines) + "\n"
 
 
-def preamble(study: Study, evaluations: Evaluations) -> List[str]:
+def figure(figures: Figures, name: str, alt: str) -> List[str]:
+    return [f"![{alt}]({figures[name]})", ""] if name in figures else []
+
+
+def preamble(study: Study, evaluations: Evaluations, source: str = FOLDER_SOURCE) -> List[str]:
     settings, total = study.settings, len(study.runs)
     scored = sum(1 for run in study.runs if run.name in evaluations.scores)
     frozen = settings.frozen
@@ -105,7 +173,7 @@ def preamble(study: Study, evaluations: Evaluations) -> List[str]:
              "(never used for selection).",
              f"- Grid runs: {total}; scored: {scored}; missing or failed: {total - scored} (listed at the end).",
              f"- Baseline: `{settings.baseline}`, compared within each condition (`negatives`).",
-             "- Per-item outcomes: each run's `study_eval.json` (`cells.json` here names the files behind every row)."]
+             f"- Per-item outcomes: {source}."]
     if frozen:
         lines.append(f"- Frozen rows from `{frozen.export}`: " + ", ".join(
             f"`{label}` ({scorer})" for label, scorer in frozen.rows.items())
@@ -114,7 +182,7 @@ def preamble(study: Study, evaluations: Evaluations) -> List[str]:
     lines.append("- Paired differences: items matched by id; seeds matched by seed (a frozen reference, scored "
                  "once, pairs with every seed); `reading` says whether the interval excludes 0.")
     lines.append("- Scores in %. `(one run)`: a single seed or a frozen row scored once, no interval over seeds. "
-                 "Chance: swap group 16.7, swap text / image 25, 2-way 50.")
+                 "Chance: swap group 16.7, swap text / image 25, 2-way 50, zero-shot shape 25, colour 16.7.")
     return lines
 
 
@@ -174,6 +242,57 @@ def verdict(interval: Interval) -> str:
     if interval.high < 0:
         return "worse"
     return "no difference shown"
+
+
+def tradeoff_section(study: Study, tradeoffs: Sequence[Comparison], figures: Figures) -> List[str]:
+    """Per split, each row's change from the frozen backbone in composition and in recognition."""
+    if study.settings.frozen is None:
+        return []
+    reference = study.settings.frozen.reference
+    lines = [f"## Composition against recognition: each row minus `{reference}` (the backbone it starts from), "
+             "paired bootstrap as above", "",
+             "Recognition: zero-shot top-1 over each object's shape and colour (the world's classes), and R@1 over "
+             "the queries of both retrieval directions. A method that gains composition at no cost sits up and "
+             "to the right of 0.", ""]
+    found = {(c.method, c.condition, c.split, c.metric): c for c in tradeoffs}
+    for split in study.settings.splits:
+        rows = list(dict.fromkeys((c.method, c.condition) for c in tradeoffs if c.split == split))
+        lines += [f"### `{split}`", ""]
+        if not rows:
+            lines += ["(no row to compare: the frozen reference or the rows are missing)", ""]
+            continue
+        body = [[method, condition, str(max(found[(method, condition, split, m)].n_seeds
+                                            for m in TRADEOFF_METRICS if (method, condition, split, m) in found))]
+                + [interval_text(found[(method, condition, split, m)].interval) if (method, condition, split, m)
+                   in found else "-" for m in TRADEOFF_METRICS] for method, condition in rows]
+        lines += table(["method", "negatives", "seeds"] + [f"{TITLES[m]} change" for m in TRADEOFF_METRICS],
+                       body, 2) + [""]
+        lines += figure(figures, f"tradeoff_{split}", f"swap group change against recognition change on {split}")
+    return lines
+
+
+def checks_section(study: Study, checks: Sequence[CheckResult]) -> List[str]:
+    """The one-seed checks beside each row: the check's value, its grid run's and the difference."""
+    if study.settings.checks is None:
+        return []
+    split = study.settings.selection_split
+    lines = [f"## Checks beside each row: one seed on `{split}`, each against the study's run it varies (same "
+             "method, negatives, setting and seed); difference with a paired bootstrap over items", ""]
+    if not checks:
+        return lines + [f"(no check scored: run the sweep of {study.settings.checks})", ""]
+    found = {(r.check.name, r.metric): r for r in checks}
+    body = []
+    for name in dict.fromkeys(r.check.name for r in checks):
+        first = next(r for r in checks if r.check.name == name)
+        run = first.check
+        body.append([run.method, run.condition, run.setting, run.check, run.seed, "yes" if first.chosen else "no"]
+                    + [f"{found[(name, m)].value:.1f} / {found[(name, m)].reference_value:.1f}: "
+                       f"{interval_text(found[(name, m)].interval)}" if (name, m) in found else "-"
+                       for m in PAIRED_METRICS])
+    return lines + table(["method", "negatives", "setting", "check", "seed", "row's setting"]
+                         + [f"{TITLES[m]}: check / run: difference" for m in PAIRED_METRICS], body, 6) + [
+        "", "`row's setting`: whether the varied run has its row's chosen setting (else the check is at another "
+            "setting than the row reports).", ""]
 
 
 def mechanisms_section(study: Study, summaries: Sequence[Summary]) -> List[str]:
@@ -290,30 +409,12 @@ def plot_scores(summaries: Sequence[Summary], split: str, rows: Sequence[Tuple[s
     plt.close(figure)
 
 
-def read_curves(run_dir: Path) -> Dict[str, Tuple[List[int], List[float]]]:
-    """The run's `eval/shapes_swap/<metric>` scalars from its TensorBoard events ({} when it has none); a step
-    logged twice (a resumed run) keeps its last value."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    log_dir = Path(run_dir) / "tb" / "version_0"
-    if not log_dir.is_dir():
-        return {}
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    curves = {}
-    for tag in events.Tags().get("scalars", []):
-        metric = tag[len(CURVE_PREFIX):] if tag.startswith(CURVE_PREFIX) else None
-        if metric in CURVE_METRICS:
-            points = {event.step: event.value for event in events.Scalars(tag)}
-            curves[metric] = (sorted(points), [points[step] for step in sorted(points)])
-    return curves
-
-
-def plot_validation_curves(study: Study, selections: Mapping[Tuple[str, str], Selection], path: Path) -> None:
-    """Every run's validation curves: a column per method, a row per metric; the chosen setting's runs solid,
-    the other settings' dashed and faint; the colour is the condition."""
+def plot_validation_curves(study: Study, selections: Mapping[Tuple[str, str], Selection],
+                           all_curves: Mapping[str, Curves], path: Path) -> None:
+    """Every run's validation curves (`all_curves`, by run name): a column per method, a row per metric; the chosen
+    setting's runs solid, the other settings' dashed and faint; the colour is the condition."""
     plt = pyplot()
-    curves = {run.name: read_curves(run.directory) for run in study.runs}
+    curves = {run.name: all_curves.get(run.name, {}) for run in study.runs}
     metrics = [m for m in CURVE_METRICS if any(m in c for c in curves.values())] or ["group"]
     methods, conditions = study.methods(), study.conditions()
     colours = {condition: plt.get_cmap("tab10")(index) for index, condition in enumerate(conditions)}
@@ -338,6 +439,51 @@ def plot_validation_curves(study: Study, selections: Mapping[Tuple[str, str], Se
     figure.tight_layout(rect=(0, 0.05, 1, 1))
     figure.savefig(path, dpi=80)
     plt.close(figure)
+
+
+def plot_tradeoff(tradeoffs: Sequence[Comparison], split: str, path: Path) -> None:
+    """Swap group change (y) against zero-shot top-1 change and R@1 change (x, one panel each) from the frozen
+    backbone, a point per row (colour: condition), with the paired bootstrap intervals as error bars."""
+    plt = pyplot()
+    found = {(c.method, c.condition, c.metric): c for c in tradeoffs if c.split == split}
+    rows = list(dict.fromkeys((c.method, c.condition) for c in tradeoffs if c.split == split))
+    conditions = list(dict.fromkeys(condition for _, condition in rows))
+    colours = {condition: plt.get_cmap("tab10")(index) for index, condition in enumerate(conditions)}
+    composition, recognition = TRADEOFF_METRICS[0], TRADEOFF_METRICS[1:]
+    figure, axes = plt.subplots(1, len(recognition), figsize=(6.0 * len(recognition), 5.0), squeeze=False)
+    for axis, metric in zip(axes[0], recognition):
+        plotted = False
+        for method, condition in rows:
+            x, y = found.get((method, condition, metric)), found.get((method, condition, composition))
+            if x is None or y is None:
+                continue
+            plotted = True
+            axis.errorbar(x.interval.estimate, y.interval.estimate, xerr=error_bar(x.interval),
+                          yerr=error_bar(y.interval), fmt="o", color=colours[condition], capsize=2,
+                          label=None if legend(condition) in axis.get_legend_handles_labels()[1] else legend(condition))
+            axis.annotate(method, (x.interval.estimate, y.interval.estimate), fontsize="x-small",
+                          xytext=(3, 3), textcoords="offset points")
+        axis.axhline(0, color="black", linewidth=0.8)
+        axis.axvline(0, color="black", linewidth=0.8)
+        axis.set_xlabel(f"{TITLES[metric]} change (points)")
+        axis.set_ylabel(f"{TITLES[composition]} change (points)")
+        axis.set_title(f"composition against recognition on {split}", fontsize="small")
+        if plotted:
+            axis.legend(title="negatives", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def legend(condition: str) -> str:
+    return "frozen" if condition == NO_CONDITION else condition
+
+
+def error_bar(interval: Interval):
+    """matplotlib's [[below], [above]] of an interval (None without one)."""
+    if not (math.isfinite(interval.low) and math.isfinite(interval.high)):
+        return None
+    return [[interval.estimate - interval.low], [interval.high - interval.estimate]]
 
 
 # ----- TensorBoard hparams ------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -15,21 +15,26 @@ from slurm.runs import SWEEP_FILE
 from study.stats import DEFAULT_RESAMPLES
 
 CACHE_FILE = "study_eval.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: with the shapes world's zero-shot recognition (`shapes_zeroshot`)
 FROZEN_DIR = "study_frozen"
 NO_CONDITION = "-"  # the condition of a grid without a `negatives` axis, and of the frozen rows
 NO_SEED = "-"
+NO_CHECK = "-"  # the check of a study grid run (check runs have a `check` axis)
 # The axes with a role; every other grid axis is a hyperparameter setting chosen on validation.
-ROLE_AXES = ("method", "negatives", "seed")
+ROLE_AXES = ("method", "negatives", "seed", "check")
 SWAP_METRICS = ("text", "image", "group", "acc_attribute", "acc_relation", "acc_object")
 RETRIEVAL_METRICS = ("i2t_r1", "t2i_r1")
-METRICS = SWAP_METRICS + RETRIEVAL_METRICS
+RECOGNITION_METRICS = ("shape_top1", "color_top1")  # zero-shot, on the world's objects
+METRICS = SWAP_METRICS + RETRIEVAL_METRICS + RECOGNITION_METRICS
 # Paired differences: the group score and the 2-way relation accuracy, the two the study is about.
 PAIRED_METRICS = ("group", "acc_relation")
+# The trade-off: composition (swap group) against recognition (zero-shot top-1 over both attributes, R@1 over
+# the queries of both retrieval directions), each row against the frozen backbone.
+TRADEOFF_METRICS = ("group", "zeroshot_top1", "retrieval_r1")
 # The per-item fields kept in the cache (0/1), the two-by-two protocol's names (two_by_two.py).
 OUTCOME_FLAGS = ("text_i0", "text_i1", "image_c0", "image_c1", "text", "image", "group", "tie")
 
-STUDY_KEYS = ("data", "baseline", "selection", "splits", "frozen", "bootstrap", "validity", "contrast")
+STUDY_KEYS = ("data", "baseline", "selection", "splits", "frozen", "bootstrap", "validity", "contrast", "checks")
 CONTRAST_KEYS = ("condition", "reference")
 SELECTION_KEYS = ("split", "metric")
 FROZEN_KEYS = ("backbone", "rows", "reference", "methods")
@@ -89,6 +94,7 @@ class StudySettings:
     bootstrap_seed: int = 0
     validity: Optional[ValiditySettings] = None
     contrast: Optional[Tuple[str, str]] = None  # (condition, reference condition): each method across the two
+    checks: Optional[Path] = None  # a sweep of one-seed variants of the grid's runs, scored on validation
 
 
 def _mapping(value: object, where: str, keys: Sequence[str]) -> dict:
@@ -119,7 +125,7 @@ def parse_settings(study: Mapping[str, object], data: Optional[Path] = None) -> 
         selection_metric=str(selection.get("metric", StudySettings.selection_metric)), splits=tuple(splits),
         frozen=parse_frozen(study.get("frozen")), resamples=int(bootstrap.get("resamples", DEFAULT_RESAMPLES)),
         bootstrap_seed=int(bootstrap.get("seed", 0)), validity=parse_validity(study.get("validity")),
-        contrast=parse_contrast(study.get("contrast")))
+        contrast=parse_contrast(study.get("contrast")), checks=parse_checks(study.get("checks")))
     check_settings(settings)
     return settings
 
@@ -159,6 +165,15 @@ def parse_contrast(contrast: object) -> Optional[Tuple[str, str]]:
     if contrast["condition"] == contrast["reference"]:
         raise StudyError(f"study.contrast compares a condition with itself: {contrast!r}")
     return contrast["condition"], contrast["reference"]
+
+
+def parse_checks(checks: object) -> Optional[Path]:
+    """study.checks: the sweep directory of the checks (None when absent)."""
+    if checks is None:
+        return None
+    if not isinstance(checks, str) or not checks:
+        raise StudyError(f"study.checks must be the directory of a sweep of checks, got {checks!r}")
+    return Path(checks)
 
 
 def parse_validity(validity: object) -> Optional[ValiditySettings]:
@@ -212,6 +227,7 @@ class GridRun:
     setting: str  # the hyperparameter choice, e.g. "lr=0.0001" ("-" when the grid has none)
     seed: str
     directory: Path
+    check: str = NO_CHECK  # a check run's variant of the grid run (method, condition, setting, seed)
 
 
 @dataclass
@@ -219,6 +235,7 @@ class Study:
     directory: Path
     settings: StudySettings
     runs: List[GridRun]
+    checks: List[GridRun] = field(default_factory=list)  # the runs of `settings.checks` (one-seed variants)
 
     def methods(self) -> List[str]:
         return unique_values(run.method for run in self.runs)
@@ -248,23 +265,36 @@ def grid_run(entry: Mapping[str, object], sweep_dir: Path) -> GridRun:
     values = {axis: choice_value(axis, label) for axis, label in choices.items()}
     setting = ", ".join(f"{axis}={value}" for axis, value in values.items() if axis not in ROLE_AXES) or "-"
     return GridRun(str(entry["name"]), values["method"], values.get("negatives", NO_CONDITION), setting,
-                   values.get("seed", NO_SEED), sweep_dir / str(entry["name"]))
+                   values.get("seed", NO_SEED), sweep_dir / str(entry["name"]), values.get("check", NO_CHECK))
 
 
 def load_study(sweep_dir: Path, data: Optional[Path] = None) -> Study:
-    """The study of a sweep directory (its sweep.json), with settings checked against its grid."""
+    """The study of a sweep directory (its sweep.json), with settings checked against its grid; the runs of its
+    checks sweep (`study.checks`) when that sweep has been written."""
     path = Path(sweep_dir) / SWEEP_FILE
     if not path.is_file():
         raise StudyError(f"{path} does not exist: run `python -m slurm.sweep <sweep.yaml> ...` first")
     document = json.loads(path.read_text())
+    checks_dir = (document.get("study") or {}).get("checks")
+    checks_file = Path(checks_dir) / SWEEP_FILE if isinstance(checks_dir, str) and checks_dir else None
+    checks = json.loads(checks_file.read_text()) if checks_file is not None and checks_file.is_file() else None
+    return study_of(Path(sweep_dir), document, checks, data)
+
+
+def study_of(directory: Path, document: Mapping[str, object], checks: Optional[Mapping[str, object]] = None,
+             data: Optional[Path] = None, world: bool = True) -> Study:
+    """The study of a sweep.json document (and its checks sweep's), run directories under `directory` (and the
+    checks sweep's directory), checked against the grid; `world` False leaves out the check that the world is
+    there (a study read back from a results bundle needs none)."""
     settings = parse_settings(document.get("study") or {}, data)
-    runs = [grid_run(entry, Path(sweep_dir)) for entry in document["runs"]]
-    study = Study(Path(sweep_dir), settings, runs)
-    check_grid(study)
+    runs = [grid_run(entry, directory) for entry in document["runs"]]
+    check_runs = [grid_run(entry, settings.checks) for entry in (checks or {}).get("runs", [])]
+    study = Study(directory, settings, runs, check_runs)
+    check_grid(study, world)
     return study
 
 
-def check_grid(study: Study) -> None:
+def check_grid(study: Study, world: bool = True) -> None:
     methods, settings = study.methods(), study.settings
     named = [settings.baseline] + list(settings.frozen.methods if settings.frozen else [])
     absent = [name for name in named if name not in methods]
@@ -286,5 +316,9 @@ def check_grid(study: Study) -> None:
     if absent:
         raise StudyError(f"study.contrast names conditions {absent} that the grid does not have; its conditions: "
                          f"{study.conditions()}")
-    if not settings.data.is_dir():
+    unmatched = sorted(run.name for run in study.checks if run.check == NO_CHECK or run.method not in methods)
+    if unmatched:
+        raise StudyError(f"checks {unmatched[:4]} (of {settings.checks}) need a `check` axis and a method of the "
+                         f"grid ({methods})")
+    if world and not settings.data.is_dir():
         raise StudyError(f"the world {settings.data} does not exist (study.data or --data-root)")

@@ -137,11 +137,26 @@ def paired_bootstrap(method: np.ndarray, reference: np.ndarray, resamples: int =
     difference = method - reference
     rng = np.random.default_rng(seed)
     seeds, items = difference.shape
-    draws = np.empty(resamples)
-    for index in range(resamples):
-        rows = rng.integers(seeds, size=seeds)
-        columns = rng.integers(items, size=items)
-        draws[index] = difference[np.ix_(rows, columns)].mean()
+    rows = np.empty((resamples, seeds), dtype=np.int64)
+    columns = np.empty((resamples, items), dtype=np.int64)
+    for index in range(resamples):  # the draws in their order: a resample's seeds, then its items
+        rows[index] = rng.integers(seeds, size=seeds)
+        columns[index] = rng.integers(items, size=items)
+    draws = resample_means(difference, rows, columns)
     tail = (1 - level) / 2
     low, high = np.quantile(draws, [tail, 1 - tail])
     return Interval(float(difference.mean()), float(low), float(high))
+
+
+def resample_means(values: np.ndarray, rows: np.ndarray, columns: np.ndarray, chunk: int = 1000) -> np.ndarray:
+    """Per resample r, `values[np.ix_(rows[r], columns[r])].mean()`, without building the resampled arrays: the
+    mean over the drawn rows of each row's mean over the drawn columns (column draws counted per resample)."""
+    resamples, items = columns.shape
+    means = np.empty(resamples)
+    for start in range(0, resamples, chunk):
+        drawn = columns[start:start + chunk]
+        flat = (np.arange(len(drawn))[:, None] * items + drawn).ravel()
+        counts = np.bincount(flat, minlength=len(drawn) * items).reshape(len(drawn), items).astype(np.float64)
+        row_means = counts @ values.T / items  # [resamples in chunk, rows]
+        means[start:start + chunk] = np.take_along_axis(row_means, rows[start:start + chunk], axis=1).mean(axis=1)
+    return means

@@ -8,10 +8,13 @@ from typing import List, Optional, Sequence
 from study.stats import Interval
 
 TITLES = {"text": "swap text", "image": "swap image", "group": "swap group", "acc_attribute": "2-way attribute",
-          "acc_relation": "2-way relation", "acc_object": "2-way object", "i2t_r1": "I2T R@1", "t2i_r1": "T2I R@1"}
-# What a random scorer gets: a 2x2 group score of 1/6 (Winoground's chance), a 2-way choice of 1/2.
+          "acc_relation": "2-way relation", "acc_object": "2-way object", "i2t_r1": "I2T R@1", "t2i_r1": "T2I R@1",
+          "shape_top1": "zero-shot shape", "color_top1": "zero-shot colour", "zeroshot_top1": "zero-shot top-1",
+          "retrieval_r1": "R@1 (both directions)"}
+# What a random scorer gets: a 2x2 group score of 1/6 (Winoground's chance), a 2-way choice of 1/2, one of the
+# world's 4 shapes or 6 colours.
 CHANCE = {"group": 100.0 / 6, "text": 25.0, "image": 25.0, "acc_attribute": 50.0, "acc_relation": 50.0,
-          "acc_object": 50.0}
+          "acc_object": 50.0, "shape_top1": 25.0, "color_top1": 100.0 / 6}
 
 
 def interval_text(interval: Interval, digits: int = 1) -> str:

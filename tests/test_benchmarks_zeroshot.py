@@ -15,6 +15,7 @@ from evaluation.benchmarks.base import MissingBenchmarkData
 from evaluation.benchmarks.images import load_image
 from testkit.standin.zeroshot import CLASS_NAMES, write_zeroshot
 from evaluation.benchmarks.zeroshot import ZeroShotClassification, class_ranks
+from evaluation.harness import run_benchmark
 from evaluation.scorers import ClipScorer, FunctionScorer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -187,3 +188,44 @@ def test_tiny_clip_aggregates_equal_a_naive_computation(tmp_path):
     assert result["top5"] == pytest.approx(100 * np.mean(ranks < 5))
     recalls = [np.mean(ranks[labels == c] == 0) for c in range(6)]
     assert result["mean_per_class_recall"] == pytest.approx(100 * np.mean(recalls))
+
+
+# --- the shapes world's recognition (shapes_zeroshot) ----------------------------------------------------------
+
+def test_shapes_zeroshot_crops_every_object_and_a_scorer_that_knows_them_is_always_right(tmp_path):
+    from datamodules.shapes import COLORS, SHAPES, load_scene_graphs, write_caption_split
+    from evaluation.benchmarks.zeroshot import ShapesZeroShot, crop_box
+
+    (tmp_path / "annotations").mkdir()
+    write_caption_split(tmp_path, "val", 8, image_size=32, seed=3, captions_per_image=1)
+    benchmark = ShapesZeroShot(tmp_path, split="val")
+    truth = {}
+    for record in load_scene_graphs(tmp_path, "val"):
+        for obj in record["objects"]:
+            box = crop_box(obj["bbox"], 32, ShapesZeroShot.CROP_SCALE)
+            x0, y0, x1, y1 = obj["bbox"]
+            assert box[2] == box[3] == min(32, 2 * max(x1 - x0, y1 - y0))  # a square twice the object's side
+            assert 0 <= box[0] <= x0 and 0 <= box[1] <= y0 and box[0] + box[2] >= x1 and box[1] + box[3] >= y1
+            assert box[0] + box[2] <= 32 and box[1] + box[3] <= 32  # moved inside the image
+            truth[(str(tmp_path / "images" / "val" / record["file_name"]), box)] = (obj["shape"], obj["color"])
+    assert len(benchmark.samples) == len(truth) >= 16
+    for (path, box), (shape, color) in list(truth.items())[:5]:  # the crop shows the object (its box is inside)
+        crop = load_image(next(ref for _, ref, _ in benchmark.samples if (ref.path, ref.box) == (path, box)))
+        assert crop.size == (round(box[2]), round(box[3])) and COLORS[color] in set(crop.getdata())
+    # every class is the ensemble of the world's plainest captions naming it: "square" over every colour
+    assert benchmark.prompts["shape"][SHAPES.index("square")] == [f"{'an' if color == 'orange' else 'a'} {color} square"
+                                                                  for color in COLORS]
+    assert benchmark.prompts["color"][list(COLORS).index("orange")] == [f"an orange {shape}" for shape in SHAPES]
+
+    def knows(ref, text):
+        shape, color = truth[(ref.path, ref.box)]
+        return float(shape in text.split()) + float(color in text.split())
+
+    result = run_benchmark(benchmark, FunctionScorer(knows))
+    assert result.aggregates["shape_top1"] == result.aggregates["color_top1"] == 100.0
+    assert result.aggregates["objects"] == len(truth) and len(result.outcomes) == 2 * len(truth)
+    assert {o["id"].split(":")[0] for o in result.outcomes} == {"shape", "color"}
+    constant = run_benchmark(benchmark, FunctionScorer(lambda ref, text: 0.0))  # every class ties: all wrong
+    assert constant.aggregates["top1"] == 0.0 and constant.aggregates["tied"] == 2 * len(truth)
+    stored = [json.loads(json.dumps(o)) for o in result.outcomes]
+    assert ShapesZeroShot.aggregate(stored) == result.aggregates

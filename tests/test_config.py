@@ -112,16 +112,16 @@ def test_every_run_of_every_shipped_sweep_validates(path, monkeypatch):
         assert cfg.model.name in open_clip.list_models()
 
 
-def test_the_long_study_gives_every_fine_tuning_method_the_same_budget():
+def test_the_study_gives_every_fine_tuning_method_the_same_budget():
     from slurm.sweep import load_sweep
-    runs = load_sweep(REPO_ROOT / "configs" / "sweeps" / "study_long.yaml").runs
+    runs = load_sweep(REPO_ROOT / "configs" / "sweeps" / "study.yaml").runs
     budgets = {}
     for run in runs:
         cfg = load_config(run.configs, run.overrides)
         if cfg.method.name not in ("tflocal", "tfglobal"):
             budgets[run.name] = (cfg.trainer.max_steps, cfg.data.batch_size, cfg.model.pretrained, cfg.data.root)
     assert len(budgets) == 60
-    assert set(budgets.values()) == {(600, 64, "runs/study_long/backbones/seed-0/export", "data/study_long")}
+    assert set(budgets.values()) == {(600, 64, "runs/study/backbones/seed-0/export", "data/study")}
 
 
 # ----- each method owns its options ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from fitting import tiny_config
 
-from core.config import REPO_ROOT
+from core.config import REPO_ROOT, ConfigError
 from lightning_modules import load_run_config
 from core.encoders import TextFeatures
 from core.export import load_export
@@ -44,13 +44,14 @@ def reference_infonce(rows, columns, positives, scale):
 def reference_mca(images, masked_images, texts, masked_texts, scale, negatives=None):
     """[I; I~] against [T; T~] and back; anchor b and its masked copy both have positive column b. With NegCLIP's
     hard captions `negatives` [B, K, D]: every image row also scores all B * K of them (after the positives, as
-    CLIP-FT's ClipLoss); the text rows score the images only."""
+    CLIP-FT's ClipLoss); the text rows score the images only. A masked copy given as None is left out: no row,
+    no column."""
     n = images.shape[0]
-    positives = list(range(n)) * 2
-    image_rows, text_rows = list(images) + list(masked_images), list(texts) + list(masked_texts)
+    image_rows = list(images) + (list(masked_images) if masked_images is not None else [])
+    text_rows = list(texts) + (list(masked_texts) if masked_texts is not None else [])
     hard = [] if negatives is None else [negatives[b, k] for b in range(n) for k in range(negatives.shape[1])]
-    return (reference_infonce(image_rows, text_rows + hard, positives, scale) +
-            reference_infonce(text_rows, image_rows, positives, scale)) / 2
+    return (reference_infonce(image_rows, text_rows + hard, list(range(n)) * (len(image_rows) // n), scale) +
+            reference_infonce(text_rows, image_rows, list(range(n)) * (len(text_rows) // n), scale)) / 2
 
 
 def reference_clip(a, b, scale):
@@ -92,6 +93,26 @@ def test_masked_contrastive_loss_matches_the_slow_reference():
     assert loss.item() == pytest.approx(float(reference_mca(*feats, scale)), rel=1e-5)
     # the masked copies matter: they are extra anchors and negatives (not a plain B x B CLIP loss)
     assert loss.item() != pytest.approx(float(reference_clip(feats[0], feats[2], scale)), rel=1e-3)
+
+
+@pytest.mark.parametrize("masked", ["text", "image", "none"])
+def test_masked_contrastive_loss_with_one_masked_copy_matches_the_slow_reference(masked):
+    """`method.mca_masked` [ours]: only the masked captions ([I] x [T; T~] and back), only the masked images
+    ([I; I~] x [T]), or neither (CLIP's B x B loss); with NegCLIP's hard captions as extra columns."""
+    images, masked_images, texts, masked_texts = [unit(3, 5, seed=s) for s in range(4)]
+    masked_images = masked_images if masked == "image" else None
+    masked_texts = masked_texts if masked == "text" else None
+    negatives = unit(3, 2, 5, seed=4)
+    scale = torch.tensor(9.0, dtype=torch.float64)
+    for hard in (None, negatives):
+        loss = masked_contrastive_loss(images, masked_images, texts, masked_texts, scale, hard)
+        expected = reference_mca(images, masked_images, texts, masked_texts, scale, hard)
+        assert loss.item() == pytest.approx(float(expected), rel=1e-5)  # float32 against float64, logits <= 9
+    plain = masked_contrastive_loss(images, masked_images, texts, masked_texts, scale)
+    both = masked_contrastive_loss(images, unit(3, 5, seed=1), texts, unit(3, 5, seed=3), scale)
+    assert plain.item() != pytest.approx(both.item(), rel=1e-3)  # another loss than the paper's
+    if masked == "none":
+        assert plain.item() == pytest.approx(float(reference_clip(images, texts, scale)), rel=1e-5)
 
 
 def test_masked_contrastive_loss_with_hard_negatives_matches_the_slow_reference():
@@ -204,6 +225,9 @@ def test_default_weights_are_the_papers():
     assert (m.mca_weight, m.mir_weight, m.mlm_weight, m.mim_weight) == (1.0, 0.1, 20.0, 250.0)
     assert (m.text_predictor_depth, m.image_predictor_depth) == (2, 3)
     assert m.key_padding_mask  # the schema's default is ours; configs/macco.yaml turns it off (the original)
+    assert m.mca_masked == "both"  # the paper's contrast; text / image / none are ours
+    with pytest.raises(ConfigError, match="mca_masked"):
+        load_run_config([], ["method.name=macco", "method.mca_masked=captions"])
 
 
 def test_every_term_equals_its_slow_reference_with_its_weight(module):
@@ -280,6 +304,24 @@ def test_hard_negatives_are_extra_image_to_text_columns_of_l_mca_in_training_onl
     with torch.no_grad():  # validation scores the plain L_mca
         validation, _ = negclip.compute_terms(batch)
     assert validation["mca_loss"].item() == pytest.approx(float(without), rel=1e-5)
+
+
+@pytest.mark.parametrize("masked", ["text", "image"])
+def test_mca_masked_takes_one_masked_copy_out_of_l_mca_and_changes_no_other_term(module, masked):
+    variant = make_module(f"method.mca_masked={masked}")  # the same weights as `module` (seed 0)
+    batch = make_batch(variant)
+    terms, _ = variant.compute_terms(batch)
+    paper, _ = module.compute_terms(batch)
+    with torch.no_grad():
+        out = variant.macco_forward(batch)
+        n = lambda x: F.normalize(x.double(), dim=-1)  # noqa: E731
+        expected = reference_mca(n(out.image.pooled), n(out.masked_image.pooled) if masked == "image" else None,
+                                 n(out.text.pooled), n(out.masked_text.pooled) if masked == "text" else None,
+                                 variant.clip.logit_scale.exp().double())
+    assert terms["mca_loss"].item() == pytest.approx(float(expected), rel=1e-5)
+    assert terms["mca_loss"].item() != pytest.approx(paper["mca_loss"].item(), rel=1e-3)
+    for name in ("mir_loss", "mlm_loss", "mim_loss"):  # the same forward: the same values
+        assert terms[name].item() == pytest.approx(paper[name].item(), rel=1e-6), name
 
 
 def test_hard_negatives_without_hard_captions_in_the_batch_name_the_setting():
@@ -565,6 +607,7 @@ def test_configs_hold_the_recipe():
     assert paper.checkpoint.monitor == "val/mca_loss"
     # the official code: no key padding mask, decay on every head tensor, logit_scale in the head group
     assert not paper.method.key_padding_mask
+    assert paper.method.mca_masked == "both"
     assert paper.optim.head_decay_1d and paper.optim.logit_scale_group == "head"
     assert paper.data.comp_mask_rule == "first_bpe_match"  # the original's; every_occurrence is ours
     demo = load_run_config([REPO_ROOT / "configs" / "demo" / "macco.yaml"])

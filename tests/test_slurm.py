@@ -68,6 +68,18 @@ def test_grid_expansion_names_runs_from_their_choices(tmp_path):
     assert runs[0].fit_args("r")[-2:] == ["experiment=method-ft_seed-0", "runs_root=r"]
 
 
+def test_an_exclusion_may_list_several_labels_of_an_axis(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text("name: x\ngrid:\n  method: {ft: [m=ft], cae: [m=cae], macco: [m=macco]}\n"
+                    "  check: {w: [w=1], mask: [k=1]}\n  seed: [0]\n"
+                    "exclude:\n  - {method: [ft, cae], check: mask}\n  - {method: macco, check: [w]}\n")
+    assert [run.name for run in load_sweep(path).runs] == ["method-ft_check-w_seed-0", "method-cae_check-w_seed-0",
+                                                           "method-macco_check-mask_seed-0"]
+    path.write_text(path.read_text().replace("[ft, cae]", "[ft, cea]"))
+    with pytest.raises(SweepError, match="exclude names method: cea"):
+        load_sweep(path)
+
+
 def test_excluded_combinations_are_left_out_and_typos_named(tmp_path):
     path = tmp_path / "sweep.yaml"
     path.write_text("name: x\ngrid:\n  negatives: {without: [a=0], with: [a=1]}\n  method: {ft: [m=ft], tfl: [m=tfl]}\n"
@@ -212,11 +224,13 @@ def test_a_submission_with_a_bad_run_submits_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
-def local_sweep(tmp_path: Path, seeds: int = 3, study: dict | None = None) -> Path:
-    """A sweep of `seeds` runs whose commands the tests replace with trivial ones (nothing is trained)."""
+def local_sweep(tmp_path: Path, seeds: int = 3, study: dict | None = None, **extra) -> Path:
+    """A sweep of `seeds` runs whose commands the tests replace with trivial ones (nothing is trained); `extra`:
+    more keys of the sweep file (`overrides` are added to the data root's)."""
     spec = {"name": "local", "runs_root": str(tmp_path / "runs"), "grid": {"seed": list(range(seeds))},
-            "overrides": [f"data.root={data_root(tmp_path)}"]}
+            "overrides": [f"data.root={data_root(tmp_path)}", *extra.pop("overrides", [])]}
     spec.update({"study": study} if study is not None else {})
+    spec.update(extra)
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -321,6 +335,97 @@ def test_the_study_block_is_copied_into_sweep_json(tmp_path, monkeypatch):
         sweep_main([str(path), "--dry-run"])
     with pytest.raises(SystemExit, match="needs --local"):
         sweep_main([str(local_sweep(tmp_path)), "--jobs", "2"])
+
+
+# ----- a results bundle: runs it holds are skipped, a record of another run stops the sweep ----------------------
+def bundled_sweep(tmp_path: Path) -> Path:
+    """Three runs from a backbone export, with a bundle folder named in the sweep file."""
+    backbone = tmp_path / "backbone" / "export"
+    backbone.mkdir(parents=True)
+    (backbone / "model.json").write_text('{"model": "ViT-Tiny-16-64", "weights": "open_clip.pt"}')
+    (backbone / "open_clip.pt").write_bytes(b"backbone weights")
+    return local_sweep(tmp_path, seeds=3, bundle=str(tmp_path / "results"),
+                       overrides=[f"model.pretrained={backbone}", "model.name=ViT-Tiny-16-64"])
+
+
+def write_record(sweep: sweep_module.Sweep, index: int, *overrides: str) -> dict:
+    """The bundle's record of run `index` as the study report writes it (scores left out), from its config with
+    `overrides` on top (another config than the run's, when given)."""
+    from lightning_modules.resume import config_digest, result_keys
+    from slurm.bundle import file_sha256, pretrained_weights, run_record_path, write_json_gz
+
+    run = sweep.runs[index]
+    config = sweep_module.run_config(sweep_module.Run(run.name, run.configs, run.overrides + list(overrides),
+                                                      run.choices), str(sweep.directory))
+    pretrained = config["model"]["pretrained"]
+    record = {"name": run.name, "config_digest": config_digest(config), "config": result_keys(config),
+              "backbone": {"path": pretrained, "sha256": file_sha256(pretrained_weights(pretrained))}, "splits": {}}
+    write_json_gz(run_record_path(Path(sweep.bundle), sweep.name, run.name), record)
+    return record
+
+
+def test_the_sweep_digests_a_run_as_the_config_yaml_that_fit_writes_for_it(tmp_path, monkeypatch):
+    """The digest the sweep compares (from the sweep file) is the one the report records (from the run's
+    config.yaml, as fit writes it: resolved, the per-device batches added), on one device or on four."""
+    from omegaconf import OmegaConf
+
+    from core.config import save_config
+    from lightning_modules import fit, load_run_config
+    from lightning_modules.resume import config_digest
+
+    monkeypatch.chdir(REPO)
+    sweep = load_sweep(REPO / "configs" / "sweeps" / "study.yaml")
+    for run in (sweep.runs[0], sweep.runs[-1]):  # CLIP-FT with negatives; TFGlobal
+        expected = config_digest(sweep_module.run_config(run, str(sweep.directory)))
+        for devices in (1, 4):
+            args = fit.parse_args(run.fit_args(str(sweep.directory)) + [f"trainer.devices={devices}"])
+            cfg = fit.with_per_device_batches(load_run_config(args.config, args.overrides), devices)
+            save_config(cfg, tmp_path / "config.yaml")
+            written = OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml"), resolve=True)
+            assert config_digest(written) == expected, (run.name, devices)
+        other = fit.parse_args(run.fit_args(str(sweep.directory)) + ["trainer.max_steps=601"])
+        assert config_digest(OmegaConf.to_container(load_run_config(other.config, other.overrides))) != expected
+
+
+def test_runs_whose_results_the_bundle_holds_are_skipped(tmp_path, capsys, monkeypatch):
+    path = bundled_sweep(tmp_path)
+    sweep = load_sweep(path)
+    write_record(sweep, 0)
+    write_record(sweep, 2, "data.num_workers=7", "trainer.devices=1")  # keys that cannot change a result
+    ran = tmp_path / "ran"
+    monkeypatch.setattr(sweep_module, "task_command", python_command(f"open({str(ran)!r}, 'a').write(str(index))"))
+    sweep_main([str(path), "--local"])
+    assert ran.read_text() == "1"
+    out = capsys.readouterr().out
+    assert f"[1/3] seed-0 skipped: its results are in the bundle {tmp_path / 'results'}" in out
+    assert "[2/3] seed-2 skipped" in out and "[3/3] seed-1 done in" in out
+    assert json.loads((tmp_path / "runs" / "local" / "sweep.json").read_text())["bundle"] == str(tmp_path / "results")
+    # A SLURM array leaves them out, and so does each array task that meets one.
+    sweep_main([str(path), "--dry-run"])
+    out = capsys.readouterr().out
+    assert "#SBATCH --array=1" in out and "seed-0" in out and "(in the bundle: skipped)" in out
+    monkeypatch.setattr("lightning_modules.fit.main", lambda argv: pytest.fail("a bundled task trained"))
+    sweep_module.main(["--task", str(tmp_path / "runs" / "local" / "sweep.json"), "0"])
+    assert "seed-0: its results are in the bundle" in capsys.readouterr().out
+
+
+def test_a_record_of_another_config_or_backbone_stops_the_sweep_before_anything_runs(tmp_path, monkeypatch):
+    path = bundled_sweep(tmp_path)
+    sweep = load_sweep(path)
+    write_record(sweep, 0)
+    write_record(sweep, 1, "optim.lr=0.5")
+    monkeypatch.setattr(sweep_module, "task_command", lambda sweep_file, index: pytest.fail("a run ran"))
+    message = refusal([str(path), "--local"])
+    assert "the bundle" in message and "task 1 (seed-1): its config differs from the bundle's record" in message
+    assert "optim.lr: 0.5 (bundle) ->" in message and "seed-0" not in message
+    write_record(sweep, 1)
+    (tmp_path / "backbone" / "export" / "open_clip.pt").write_bytes(b"a backbone trained again, differently")
+    message = refusal([str(path), "--dry-run"])
+    assert "tasks 0 (seed-0), 1 (seed-1): its backbone" in message and "not the backbone the bundled runs" in message
+    shutil.rmtree(tmp_path / "backbone")  # not trained yet: cannot be checked here
+    message = refusal([str(path), "--local"])
+    assert "is not here, so its record" in message and "train the backbones first" in message
+    assert not (tmp_path / "runs").exists()
 
 
 def squeue_ids(cluster: LocalSlurm, job: str) -> list:

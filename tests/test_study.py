@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from evaluation.benchmarks.two_by_two import ShapesSwap
 from study import cli as study_cli
@@ -21,7 +22,8 @@ from study.analysis import (Evaluations, cached_scores, evaluate_study, export_f
                             select_settings, split_fingerprint)
 from study.settings import (CACHE_FILE, CACHE_VERSION, FROZEN_DIR, OUTCOME_FLAGS, StudyError, StudySettings, load_study,
                             parse_settings)
-from study.report import read_curves, write_report
+from study.analysis import read_curves
+from study.report import write_report
 from study.stats import seed_interval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,16 +56,49 @@ def draw_outcomes(quality: float, rng: np.random.Generator) -> list:
 
 
 def split_scores(outcomes: list, data: Path, split: str, rng: np.random.Generator) -> dict:
+    """A scoring as the cache stores it: the swap outcomes given, and drawn retrieval and zero-shot outcomes (ITEMS
+    queries each way; ITEMS objects, each with a shape and a colour decision), their aggregates computed here."""
+    own = np.random.default_rng([int(rng.integers(0, 100)), int(rng.integers(0, 100))])  # two draws, as always
+    retrieval = [[direction, int(own.integers(0, 3)), 0] for direction in ("i2t", "t2i") for _ in range(ITEMS)]
+    zeroshot = [[f"{attribute}:{index}:1", 0, int(own.integers(0, 3)), 0] for attribute in ("shape", "color")
+                for index in range(ITEMS)]
+
+    def top1(outcomes: list) -> float:
+        return 100.0 * sum(rank == 0 for *_, rank, _ in outcomes) / len(outcomes)
+
     return {"data": split_fingerprint(data, split), "swap_outcomes": outcomes,
-            "swap": ShapesSwap.aggregate(outcomes), "retrieval_outcomes": [],
-            "retrieval": {"i2t_r1": float(rng.integers(0, 100)), "t2i_r1": float(rng.integers(0, 100))},
+            "swap": ShapesSwap.aggregate(outcomes), "retrieval_outcomes": retrieval,
+            "retrieval": {f"{d}_r1": top1([o for o in retrieval if o[0] == d]) for d in ("i2t", "t2i")},
+            "zeroshot_outcomes": zeroshot,
+            "zeroshot": {f"{a}_top1": top1([o for o in zeroshot if o[0].startswith(a)]) for a in ("shape", "color")},
             "mechanisms": None}
 
 
-def write_export(directory: Path) -> Path:
+def write_export(directory: Path, method: str | None = None, config: dict | None = None) -> Path:
+    """A run's export (model.json; aligner.json for an aligner method) and, with `config`, its config.yaml."""
     (directory / "export").mkdir(parents=True, exist_ok=True)
     (directory / "export" / "model.json").write_text('{"model": "fake"}')
+    if method in ("tflocal", "tfglobal"):
+        (directory / "export" / "aligner.json").write_text("{}")
+    if config is not None:
+        (directory / "config.yaml").write_text(yaml.safe_dump(config))
     return directory / "export"
+
+
+def run_config(tmp_path: Path, name: str, method: str, lr: str, seed: int, negatives: str = "without",
+               **extra) -> dict:
+    """The config.yaml of a hand-made run: what the bundle's digest covers (and keys it leaves out)."""
+    return {"experiment": name, "seed": seed, "runs_root": "runs/x",
+            "model": {"name": "ViT-Tiny-16-64", "pretrained": str(tmp_path / "backbone" / "export")},
+            "method": {"name": method, "hard_negatives": {"captions": 3 if negatives == "with" else 0}},
+            "optim": {"lr": float(lr)}, "data": {"batch_size": 32, "num_workers": 0, "per_device_batch_size": 32},
+            "trainer": {"devices": 1, "max_steps": 600}, **extra}
+
+
+def write_backbone(tmp_path: Path) -> Path:
+    export = write_export(tmp_path / "backbone")
+    (export / "open_clip.pt").write_bytes(b"the backbone's weights")
+    return export
 
 
 def write_cached(directory: Path, scorer: str, scores: dict, export: Path) -> None:
@@ -97,11 +132,12 @@ def make_sweep(tmp_path: Path, study: dict | None = None, missing: tuple = ("met
                     runs.append({"name": name, "configs": [], "overrides": [], "choices": choices})
                     if name in missing:
                         continue
-                    export = write_export(sweep / name)
+                    export = write_export(sweep / name, method, run_config(tmp_path, name, method, lr, seed,
+                                                                           negatives))
                     scores = {split: split_scores(draw_outcomes(quality(method, negatives, lr, split), rng), data,
                                                   split, rng) for split in SPLITS}
                     write_cached(sweep / name, "clip", scores, export)
-    backbone = write_export(tmp_path / "backbone")
+    backbone = write_backbone(tmp_path)
     for label, scorer in (("frozen_cosine", "clip"), ("sgi", "sgi")):
         scores = {split: split_scores(draw_outcomes(quality(label, "-", "-", split), rng), data, split, rng)
                   for split in SPLITS}
@@ -453,6 +489,7 @@ def tiny_world(root: Path) -> Path:
 def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsys):
     from core.encoders import build_model
     from core.export import export_model
+    from datamodules.shapes import load_scene_graphs
 
     data = tiny_world(tmp_path / "world")
     sweep = tmp_path / "sweep"
@@ -465,7 +502,8 @@ def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsy
             built = build_model("ViT-Tiny-16-64", None, str(REPO / "configs" / "models"))
             export_model(built.model, built.name, sweep / runs[-1]["name"] / "export")
     export_model(built.model, built.name, tmp_path / "backbone" / "export")
-    study = {"data": str(data), "frozen": {"backbone": str(tmp_path / "backbone"), "rows": {"cosine": "clip"}}}
+    study = {"data": str(data), "frozen": {"backbone": str(tmp_path / "backbone"), "rows": {"cosine": "clip"}},
+             "bootstrap": {"resamples": 200}}
     (sweep / "sweep.json").write_text(json.dumps({"name": "e2e", "runs_root": str(sweep), "runs": runs,
                                                   "study": study}))
     monkeypatch.setattr(study_cli, "load_mechanisms", lambda *args: gap_mechanism)
@@ -480,6 +518,10 @@ def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsy
     assert set(val["swap_outcomes"][0]) == {"id", "type", *OUTCOME_FLAGS}
     assert val["swap"]["group"] == pytest.approx(ShapesSwap.aggregate(val["swap_outcomes"])["group"])
     assert len([o for o in val["retrieval_outcomes"] if o[0] == "i2t"]) == 6
+    objects = sum(len(record["objects"]) for record in load_scene_graphs(data, "val"))
+    assert len(val["zeroshot_outcomes"]) == 2 * objects and val["zeroshot"]["objects"] == objects
+    assert val["zeroshot"]["shape_top1"] == pytest.approx(
+        100.0 * np.mean([rank == 0 for item, _, rank, _ in val["zeroshot_outcomes"] if item.startswith("shape:")]))
     # test is a copy of val, so a real scorer gives the same outcomes on both: the splits were really scored
     assert cache["splits"]["test"]["swap_outcomes"] == val["swap_outcomes"]
     text = results.read_text()
@@ -672,3 +714,222 @@ def test_mechanisms_are_measured_on_the_chosen_splits_with_the_chosen_limit(monk
     assert calls == [("test", 32)]
     study_cli.load_mechanisms()(Path("r"), Path("d"), "test_unseen")
     assert calls[-1] == ("test_unseen", 256)
+
+
+# ----- the results bundle and the page made from it alone ---------------------------------------------------------
+CHECKS = {"x0.3": 0.55, "x3": 0.8}  # check label -> quality of its outcomes (macco's own value at lr 0.001: 0.8)
+
+
+def add_checks(tmp_path: Path, sweep: Path) -> Path:
+    """A checks sweep (one seed of macco without negatives at lr 0.001, two variants), scored on val, named in
+    the study block."""
+    data = Path(json.loads((sweep / "sweep.json").read_text())["study"]["data"])
+    checks = tmp_path / "checks"
+    rng = np.random.default_rng(11)
+    runs = []
+    for label, check_quality in CHECKS.items():
+        choices = {"negatives": "negatives-without", "method": "method-macco", "check": f"check-{label}",
+                   "lr": "lr-0.001", "seed": "seed-0"}
+        name = "_".join(choices.values())
+        runs.append({"name": name, "configs": [], "overrides": [], "choices": choices})
+        export = write_export(checks / name, "macco", run_config(tmp_path, name, "macco", "0.001", 0,
+                                                                 check={"weight": label}))
+        write_cached(checks / name, "clip", {"val": split_scores(draw_outcomes(check_quality, rng), data, "val", rng)},
+                     export)
+    (checks / "sweep.json").write_text(json.dumps({"name": "checks", "runs_root": str(checks), "runs": runs}))
+    document = json.loads((sweep / "sweep.json").read_text())
+    document["study"]["checks"] = str(checks)
+    (sweep / "sweep.json").write_text(json.dumps(document))
+    return checks
+
+
+def report_with_bundle(sweep: Path, bundle: Path, out: Path) -> Path:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(study_cli, "load_mechanisms", lambda *args: gap_mechanism)
+        return study_cli.main(["--sweep", str(sweep), "--bundle", str(bundle), "--out", str(out)])
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory):
+    """The hand-made sweep with validity backbones and checks, reported with a bundle."""
+    root = tmp_path_factory.mktemp("bundled")
+    sweep = add_validity(root, make_sweep(root, study={"contrast": {"condition": "with", "reference": "without"}}))
+    add_checks(root, sweep)
+    bundle = root / "results"
+    results = report_with_bundle(sweep, bundle, root / "report")
+    return root, sweep, bundle, results
+
+
+def test_the_bundle_holds_each_run_with_its_digest_backbone_and_outcomes(bundled):
+    from lightning_modules.resume import config_digest, result_keys
+    from slurm.bundle import file_sha256, read_json_gz
+
+    root, sweep, bundle, _ = bundled
+    name = "method-macco_negatives-with_lr-0.0001_seed-1"  # a setting not chosen: its test scores are kept too
+    record = read_json_gz(bundle / "study" / "runs" / f"{name}.json.gz")
+    config = yaml.safe_load((sweep / name / "config.yaml").read_text())
+    assert record["config_digest"] == config_digest(config) and record["config"] == result_keys(config)
+    assert "data.num_workers" not in record["config"] and "trainer.devices" not in record["config"]
+    assert "data.per_device_batch_size" not in record["config"] and record["config"]["trainer.max_steps"] == 600
+    assert record["backbone"] == {"path": str(root / "backbone" / "export"),
+                                  "sha256": file_sha256(root / "backbone" / "export" / "open_clip.pt")}
+    cached = json.loads((sweep / name / CACHE_FILE).read_text())["splits"]
+    assert set(record["splits"]) == set(SPLITS)
+    for split in SPLITS:
+        for key in ("swap_outcomes", "retrieval_outcomes", "zeroshot_outcomes", "swap", "mechanisms"):
+            assert record["splits"][split][key] == cached[split][key], (split, key)
+        assert "data" not in record["splits"][split]  # this machine's file fingerprints stay out
+    assert record["splits"]["test"]["mechanisms"] == {"gap": 1.0 + len("test")}
+    frozen = read_json_gz(bundle / "study" / "frozen" / "frozen_cosine.json.gz")
+    assert frozen["export"]["sha256"] == record["backbone"]["sha256"]
+    assert {path.name for path in (bundle / "study" / "frozen").iterdir()} == \
+           {f"{label}.json.gz" for label in ("frozen_cosine", "sgi", "validity_0", "validity_1", "validity_2")}
+    assert len(list((bundle / "checks" / "runs").iterdir())) == len(CHECKS)
+    assert (bundle / "README.md").read_text().startswith("# The method study's results bundle")
+    document = json.loads((bundle / "study" / "sweep.json").read_text())
+    assert document["checks"] == "checks" and document["study"]["frozen"]["backbone"] == str(
+        root / "backbone" / "export")
+    assert set(document["world"]["files"]) == {f"annotations/{kind}_{split}.json" for kind in ("captions", "swap")
+                                               for split in SPLITS}
+    report = json.loads((bundle / "study" / "report.json").read_text())
+    assert report["validity"]["checks"] and report["tradeoffs"] and report["checks"]
+    assert report["missing"] == {"method-macco_negatives-without_lr-0.001_seed-2": "not run (no run directory)"}
+
+
+def test_writing_the_bundle_again_changes_no_byte(bundled, tmp_path):
+    root, sweep, bundle, _ = bundled
+    before = {path: path.read_bytes() for path in bundle.rglob("*") if path.is_file()}
+    report_with_bundle(sweep, bundle, tmp_path / "report")
+    assert {path: path.read_bytes() for path in bundle.rglob("*") if path.is_file()} == before
+
+
+def test_the_page_from_the_bundle_alone_is_the_report_and_comes_out_the_same_everywhere(bundled, tmp_path):
+    from study.page import make_page
+
+    root, sweep, bundle, results = bundled
+    copy = tmp_path / "results"
+    shutil.copytree(bundle, copy)  # a clean clone: the bundle without the run folders, the world or the backbone
+    page = make_page(copy, tmp_path / "docs" / "study_results.md")
+    assert (tmp_path / "docs" / "study_results.md").read_text() == page
+    for name in ("scores_test", "tradeoff_test", "tradeoff_test_unseen", "validation_curves"):
+        assert (tmp_path / "docs" / "images" / f"study_{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"(images/study_{name}.png)" in page
+    report = results.read_text()
+    for section in ("## Testbed validity", "## Scores on `test`", "## Selection on `val`", "## Paired differences",
+                    "## Composition against recognition", "## Checks beside each row", "## Mechanisms on `test`"):
+        # every number of the report's section is the page's: made from the bundle, not from the run folders
+        assert section_of(report, section) == section_of(page, section).replace(str(copy), str(bundle)), section
+    again = make_page(copy, tmp_path / "elsewhere" / "study_results.md", plots=False)
+    assert again == page.replace(str(tmp_path / "docs"), str(tmp_path / "elsewhere"))
+    assert "no record in the bundle" in page and "method-macco_negatives-without_lr-0.001_seed-2" in page
+
+
+def section_of(text: str, title: str) -> str:
+    """A section of a report without its figure links (the report's and the page's figures lie elsewhere)."""
+    section = title + text.split(title, 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line for line in section.splitlines() if not line.startswith("!["))
+
+
+def test_an_interval_is_recomputed_from_the_bundle_as_its_readme_says(bundled):
+    """The README's own recipe (standard library and numpy), run on the bundle, gives report.json's interval,
+    and so does a bootstrap written here for a comparison with a frozen reference."""
+    import gzip
+    import re
+
+    root, _, bundle, _ = bundled
+    recipe = re.search(r"```python\n(.*?)```", (bundle / "README.md").read_text(), re.S).group(1)
+    namespace = {}
+    exec(recipe.replace('root = "results/study/sweep"', f'root = {str(bundle / "study")!r}'), namespace)
+    c = namespace["c"]
+    assert (namespace["D"].mean(), *np.quantile(namespace["draws"], [0.025, 0.975])) == \
+           pytest.approx((c["estimate"], c["low"], c["high"]), rel=1e-9)
+    report = json.loads((bundle / "study" / "report.json").read_text())
+    trade = next(t for t in report["tradeoffs"] if (t["method"], t["negatives"], t["split"], t["metric"])
+                 == ("tflocal", "with", "test", "zeroshot_top1"))
+
+    def top1(path: Path) -> dict:
+        outcomes = json.loads(gzip.decompress(path.read_bytes()))["splits"]["test"]["zeroshot_outcomes"]
+        return {item: 100.0 * (rank == 0) for item, _, rank, _ in outcomes}
+
+    mine = [top1(bundle / "study" / "runs" / f"method-tflocal_negatives-with_lr-0.001_seed-{s}.json.gz")
+            for s in range(3)]
+    theirs = [top1(bundle / "study" / "frozen" / "frozen_cosine.json.gz")] * 3
+    expected = slow_paired_bootstrap(mine, theirs, RESAMPLES, seed=3)
+    assert (trade["estimate"], trade["low"], trade["high"]) == pytest.approx(expected, rel=1e-9)
+    assert trade["n_items"] == 2 * ITEMS and trade["n_seeds"] == 3
+
+
+def test_each_check_stands_beside_the_run_it_varies(bundled):
+    root, _, bundle, results = bundled
+    report = json.loads((bundle / "study" / "report.json").read_text())
+    checks = {(c["check"], c["metric"]): c for c in report["checks"]}
+    assert len(checks) == len(CHECKS) * 2
+    reference = "method-macco_negatives-without_lr-0.001_seed-0"
+    for label in CHECKS:
+        name = f"negatives-without_method-macco_check-{label}_lr-0.001_seed-0"
+        check = checks[(name, "group")]
+        assert check["reference"] == reference and check["row_setting_chosen"]
+        mine = [per_item(stored(root / "checks", name, "val"), "group")]
+        theirs = [per_item(stored(root / "sweep", reference, "val"), "group")]
+        assert (check["estimate"], check["low"], check["high"]) == \
+               pytest.approx(slow_paired_bootstrap(mine, theirs, RESAMPLES, seed=3), rel=1e-9)
+        assert check["value"] == pytest.approx(np.mean(list(mine[0].values())))
+    assert "| macco | without | lr=0.001 | x0.3 | 0 | yes |" in results.read_text()
+
+
+def test_a_later_sitting_reads_the_runs_whose_folders_are_gone_from_the_bundle(tmp_path):
+    sweep = make_sweep(tmp_path)
+    bundle = tmp_path / "results"
+    first = report_with_bundle(sweep, bundle, tmp_path / "first").read_text()
+    gone = ["method-clip_ft_negatives-with_lr-0.001_seed-0", "method-tflocal_negatives-with_lr-0.0001_seed-2"]
+    records = {name: (bundle / "study" / "runs" / f"{name}.json.gz").read_bytes() for name in gone}
+    for name in gone:
+        shutil.rmtree(sweep / name)
+    second = report_with_bundle(sweep, bundle, tmp_path / "second").read_text()
+    assert "missing or failed: 1" in second  # only the run that never ran
+    assert {name: (bundle / "study" / "runs" / f"{name}.json.gz").read_bytes() for name in gone} == records
+    for title in ("## Scores on `test`", "## Selection on `val`", "## Paired differences",
+                  "## Composition against recognition", "## Mechanisms on `test`"):
+        assert section_of(second, title) == section_of(first, title), title
+
+
+def test_a_run_of_another_config_or_world_is_refused_and_nothing_is_written(bundled, tmp_path):
+    root, sweep, bundle, _ = bundled
+    copy = tmp_path / "results"
+    shutil.copytree(bundle, copy)
+    before = {path: path.read_bytes() for path in copy.rglob("*") if path.is_file()}
+    name = "method-clip_ft_negatives-without_lr-0.0001_seed-1"
+    config_file = sweep / name / "config.yaml"
+    original = config_file.read_text()
+    try:
+        config_file.write_text(yaml.safe_dump({**yaml.safe_load(original), "optim": {"lr": 0.5}}))
+        with pytest.raises(SystemExit, match=rf"{name}: config: optim.lr: 0.0001 \(bundle\) -> 0.5 \(now\)"):
+            report_with_bundle(sweep, copy, tmp_path / "report")
+        config_file.write_text(yaml.safe_dump({**yaml.safe_load(original), "data": {"num_workers": 8,
+                                                                                     "batch_size": 32}}))
+        report_with_bundle(sweep, copy, tmp_path / "report")  # loader workers cannot change a result
+    finally:
+        config_file.write_text(original)
+    world = Path(json.loads((sweep / "sweep.json").read_text())["study"]["data"])
+    swap = world / "annotations" / "swap_test.json"
+    original = swap.read_text()
+    try:
+        swap.write_text("another world")
+        with pytest.raises(SystemExit, match=r"is not the one the bundle was made on.*swap_test.json"):
+            report_with_bundle(sweep, copy, tmp_path / "report")
+    finally:
+        swap.write_text(original)
+    assert {path: path.read_bytes() for path in copy.rglob("*") if path.is_file()} == before
+
+
+COMMITTED_BUNDLE, COMMITTED_PAGE = REPO / "results" / "study", REPO / "docs" / "study_results.md"
+
+
+@pytest.mark.skipif(not (COMMITTED_BUNDLE / "sweep" / "sweep.json").is_file(), reason="no committed bundle yet")
+def test_the_committed_page_is_what_the_committed_bundle_makes(tmp_path, monkeypatch):
+    from study.page import make_page
+
+    monkeypatch.chdir(REPO)
+    out = Path("docs") / "study_results.md"
+    made = make_page(Path("results") / "study", tmp_path / out, plots=False)
+    assert made.replace(str(tmp_path / out), str(out)) == COMMITTED_PAGE.read_text()

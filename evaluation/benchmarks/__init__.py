@@ -19,13 +19,13 @@ from evaluation.benchmarks.valse import Valse
 from evaluation.benchmarks.vlchecklist import VLCheckList
 from evaluation.benchmarks.whatsup import (WHATSUP_COMBINED, WhatsUpA, WhatsUpB, WhatsUpCocoOne, WhatsUpCocoTwo,
                                             WhatsUpGqaOne, WhatsUpGqaTwo)
-from evaluation.benchmarks.zeroshot import ZeroShotClassification
+from evaluation.benchmarks.zeroshot import ShapesZeroShot, ZeroShotClassification
 
 BENCHMARKS: Dict[str, Type[Benchmark]] = {cls.name: cls for cls in (
     SugarCrepe, VGRelation, VGAttribution, COCOOrder, Flickr30kOrder, Valse, VLCheckList,
     WhatsUpA, WhatsUpB, WhatsUpCocoOne, WhatsUpCocoTwo, WhatsUpGqaOne, WhatsUpGqaTwo,
     Winoground, BiVLC, BiSCoRCtrl, ShapesSwap,
-    CocoRetrieval, Flickr30kRetrieval, ZeroShotClassification, SickR, STSB)}
+    CocoRetrieval, Flickr30kRetrieval, ZeroShotClassification, ShapesZeroShot, SickR, STSB)}
 
 # Numbers a paper reports over several of the benchmarks above, in results-table order (`combined.py`).
 COMBINED: Dict[str, CombinedAggregate] = {combined.name: combined for combined in WHATSUP_COMBINED}

@@ -24,6 +24,9 @@ the repeated names).
 Aggregates: `top1`, `top5` (NaN with fewer than 5 classes, as clip_benchmark), `mean_per_class_recall`
 (top-1 recall per class present, averaged: scikit-learn's balanced accuracy, as clip_benchmark), `images`,
 `tied`.
+
+`shapes_zeroshot` (`ShapesZeroShot`) is the same protocol on the shapes world's own classes: each object of a
+split, cropped from its image, classified by shape and by colour (recognition beside the swap set's composition).
 """
 from __future__ import annotations
 
@@ -159,6 +162,108 @@ class ZeroShotClassification(Benchmark):
                 if per_class else float("nan"),
                 "images": len(outcomes),
                 "tied": sum(1 for o in outcomes if o["ties"] > 0)}
+
+
+class ShapesZeroShot(Benchmark):
+    """Zero-shot shape and colour classification of every object of a shapes-world split.
+
+    Each object of `annotations/scene_graphs_<split>.json` is cut from its image as a square `CROP_SCALE` times
+    its box's side, centred on the box and moved inside the image (so the object fills about half of it; a
+    neighbour may reach into the crop, the same for every scorer). The classes are the world's shapes and its
+    colours (`datamodules.shapes.SHAPES`, `COLORS`); each class is the prompt ensemble (`Scorer.score_groups`,
+    as clip_benchmark's) of the world's plainest single-object caption (template "single", size unsaid) over
+    every value of the other attribute: the class "square" averages "a red square", "a green square", ..., the
+    class "red" "a red square", "a red circle", .... Few prompts, because an aligner scorer (TFLocal) runs a
+    forward per crop and prompt. The rank of the gold class counts the classes scoring at least as high
+    (`class_ranks`: a tie is wrong).
+
+    Outcomes: one per object and attribute, `{"id": "<attribute>:<image id>:<object id>", "attribute", "label",
+    "rank", "ties"}`. Aggregates: `shape_top1`, `color_top1` (%), `top1` (both attributes' decisions pooled),
+    `objects`, `tied`.
+
+    Args:
+        root: the shapes data root. split: "val" (default), "test", "test_unseen" or "train".
+    """
+
+    name = "shapes_zeroshot"
+    headline = ("shape_top1", "color_top1")
+    description = "Shapes-world zero-shot recognition: each object's shape and colour from the world's captions (%)"
+    attributes = ("shape", "color")
+    CROP_SCALE = 2.0
+
+    def __init__(self, root: str | Path, split: str = "val"):
+        self.split = split  # read by required_files() during the base class's check
+        super().__init__(root)
+
+    def required_files(self) -> list[str]:
+        return [f"annotations/scene_graphs_{self.split}.json"]
+
+    @cached_property
+    def classes(self) -> dict[str, list[str]]:
+        from datamodules.shapes import COLORS, SHAPES
+
+        return {"shape": list(SHAPES), "color": list(COLORS)}
+
+    @cached_property
+    def prompts(self) -> dict[str, list[list[str]]]:
+        """Per attribute, per class (label order), the captions naming it."""
+        from datamodules.shapes import COLORS, SHAPES
+        from datamodules.shapes.world import Caption, Description
+
+        def caption(color: str, shape: str) -> str:
+            return Caption("single", Description(color, shape)).text
+
+        return {"shape": [[caption(color, shape) for color in COLORS] for shape in SHAPES],
+                "color": [[caption(color, shape) for shape in SHAPES] for color in COLORS]}
+
+    @cached_property
+    def samples(self) -> list[tuple[str, ImageRef, dict[str, int]]]:
+        """(image id:object id, the object's crop, its label per attribute), image by image."""
+        from datamodules.shapes import load_scene_graphs
+
+        samples = []
+        for record in load_scene_graphs(self.root, self.split):
+            path = str(self.root / "images" / self.split / record["file_name"])
+            for obj in record["objects"]:
+                box = crop_box(obj["bbox"], record["width"], self.CROP_SCALE)
+                labels = {attribute: self.classes[attribute].index(obj[attribute]) for attribute in self.attributes}
+                samples.append((f"{record['image_id']}:{obj['id']}", ImageRef(path, box=box), labels))
+        return samples
+
+    def image_refs(self) -> list[ImageRef]:
+        return unique(ref for _, ref, _ in self.samples)
+
+    def outcomes(self, scorer: Scorer, progress: bool = False) -> list[Outcome]:
+        refs = [ref for _, ref, _ in self.samples]
+        scorer.prepare(unique(refs), unique(p for groups in self.prompts.values() for group in groups for p in group),
+                       progress=progress)
+        outcomes = []
+        for attribute in self.attributes:
+            scores = np.asarray(scorer.score_groups(refs, self.prompts[attribute]), dtype=np.float64)
+            labels = np.array([labels[attribute] for _, _, labels in self.samples])
+            ranks, ties = class_ranks(scores, labels)
+            outcomes += [{"id": f"{attribute}:{key}", "attribute": attribute, "label": int(label), "rank": int(rank),
+                          "ties": int(tie)} for (key, _, _), label, rank, tie in zip(self.samples, labels, ranks, ties)]
+        return outcomes
+
+    @staticmethod
+    def aggregate(outcomes: Sequence[Outcome]) -> dict[str, float]:
+        result = {f"{attribute}_top1": percent([o["rank"] == 0 for o in outcomes if o["attribute"] == attribute])
+                  if any(o["attribute"] == attribute for o in outcomes) else float("nan")
+                  for attribute in ShapesZeroShot.attributes}
+        return {**result, "top1": percent([o["rank"] == 0 for o in outcomes]) if outcomes else float("nan"),
+                "objects": len({o["id"].split(":", 1)[1] for o in outcomes}),
+                "tied": sum(1 for o in outcomes if o["ties"] > 0)}
+
+
+def crop_box(bbox: Sequence[float], image_size: int, scale: float) -> tuple[float, float, float, float]:
+    """(x, y, w, h) of the square `scale` times the box's longer side, centred on the box, moved inside the image
+    (the whole image when it is larger)."""
+    x0, y0, x1, y1 = bbox
+    side = min(float(image_size), scale * max(x1 - x0, y1 - y0))
+    left = min(max((x0 + x1) / 2 - side / 2, 0.0), image_size - side)
+    top = min(max((y0 + y1) / 2 - side / 2, 0.0), image_size - side)
+    return (left, top, side, side)
 
 
 def class_ranks(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -227,6 +227,7 @@ class MaccoCLIP(CompositionalCLIPModule):
 
     Config: `method.{mca,mir,mlm,mim}_weight`, `method.{text,image}_predictor_depth`, `method.predictor_heads`,
     `method.key_padding_mask` (mask text keys after EOS in the image predictor [ours]; the original has none),
+    `method.mca_masked` (which masked copies L_mca contrasts: "both" [paper], "text", "image" or "none" [ours]),
     `method.hard_negatives.captions` (NegCLIP's hard captions as extra image-to-text columns of `L_mca`, training only).
     """
 
@@ -320,7 +321,9 @@ class MaccoCLIP(CompositionalCLIPModule):
         scale = self.clip.logit_scale.exp()
         image, masked_image = F.normalize(out.image.pooled, dim=-1), F.normalize(out.masked_image.pooled, dim=-1)
         text, masked_text = F.normalize(out.text.pooled, dim=-1), F.normalize(out.masked_text.pooled, dim=-1)
-        mca = masked_contrastive_loss(image, masked_image, text, masked_text, scale, negatives)
+        masked = self.cfg.method.mca_masked  # [ours] which masked copies L_mca contrasts (the paper: both)
+        mca = masked_contrastive_loss(image, masked_image if masked in ("both", "image") else None, text,
+                                      masked_text if masked in ("both", "text") else None, scale, negatives)
         mir = (self.clip_loss(masked_text, text, scale) + self.clip_loss(masked_image, image, scale)) / 2
         mlm = masked_token_loss(out.vocabulary_logits, out.ids[out.text_mask], out.text_mask)
         targets = normalised_patch_targets(images, self.patch_size)

@@ -47,9 +47,12 @@ class ClipCAEOptions(MethodConfig):
 class MaccoOptions(MethodConfig):
     """MACCO-CLIP: loss weights (1 L_mca + 0.1 L_mir + 20 L_mlm + 250 L_mim), predictor depths and heads, and
     whether the image predictor masks the text keys after EOS [ours; the original has no mask: false in
-    configs/macco.yaml]. Without the mask the text runs untrimmed (all 77 positions are keys, as the original)."""
+    configs/macco.yaml]. Without the mask the text runs untrimmed (all 77 positions are keys, as the original).
 
-    CHOICES: ClassVar[Choices] = {}
+    mca_masked: which masked copies enter L_mca as extra anchors and negatives: "both" (the paper's 2B x 2B),
+    or [ours, to take the contrast apart] "text" ([I] x [T; T~]), "image" ([I; I~] x [T]) or "none" (B x B)."""
+
+    CHOICES: ClassVar[Choices] = {"mca_masked": ("both", "text", "image", "none")}
     # Weights of the four terms: masked contrastive L_mca, masked-to-full alignment L_mir, masked token
     # prediction L_mlm, masked patch prediction L_mim (the paper's 1, 0.1, 20, 250).
     mca_weight: float = 1.0
@@ -62,6 +65,8 @@ class MaccoOptions(MethodConfig):
     predictor_heads: int = 8
     # true [ours]: the image predictor ignores text keys after EOS; false: the original's unmasked keys.
     key_padding_mask: bool = True
+    # Masked copies in L_mca: "both" (the paper), or [ours] "text", "image", "none" (see above).
+    mca_masked: str = "both"
 
 
 @dataclass

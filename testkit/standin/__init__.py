@@ -33,6 +33,7 @@ STANDINS: Dict[str, Callable[..., dict]] = {
     "coco_retrieval": retrieval.write_coco_retrieval,
     "flickr30k_retrieval": retrieval.write_flickr30k_retrieval,
     "zeroshot": zeroshot.write_zeroshot,
+    "shapes_zeroshot": zeroshot.write_shapes_zeroshot,
     "sickr": sts.write_sickr,
     "stsb": sts.write_stsb,
 }

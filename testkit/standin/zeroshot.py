@@ -44,3 +44,12 @@ def write_zeroshot(root: Path, n_items: int = 20, seed: int = 0) -> dict:
             shutil.copyfile(written[n % DISTINCT_IMAGES], path)
         written.append(path)
     return {"images": str(images), "dataset": "standin"}
+
+
+def write_shapes_zeroshot(root: Path, n_items: int = 20, seed: int = 0) -> dict:
+    """A shapes-world split from its generator (images, captions, scene graphs): about `n_items` objects."""
+    from datamodules.shapes import write_caption_split
+
+    (Path(root) / "annotations").mkdir(parents=True, exist_ok=True)
+    write_caption_split(Path(root), "val", max(1, n_items // 2), image_size=32, seed=seed, captions_per_image=1)
+    return {"split": "val"}

@@ -1,0 +1,147 @@
+"""A results bundle: the finished runs of a sweep kept as data (gzip JSON, standard library only).
+
+`python -m study --sweep DIR --bundle DIR` writes it (`study/bundle.py` builds its records); `slurm.sweep` reads
+it to skip every run whose results it already holds. Its layout, which `<bundle>/README.md` describes for readers
+without this code:
+
+    <bundle>/README.md
+    <bundle>/<sweep name>/sweep.json            the grid, the study settings, the world's checksums
+    <bundle>/<sweep name>/runs/<run>.json.gz    one record per finished run
+    <bundle>/<sweep name>/frozen/<row>.json.gz  rows scored from a backbone without training
+    <bundle>/<sweep name>/report.json           selection, validity table, paired comparisons
+
+A run record holds `config_digest` (`lightning_modules.resume.config_digest` of the run's resolved config) and
+`config` (the keys that digest covers), `backbone` ({"path", "sha256"} of the export the run started from:
+`model.pretrained`'s weights file), the run's own `export_sha256`, its validation `curves` and its per-split
+scores with their per-item outcomes. A sweep skips a run whose record matches its config digest and backbone
+checksum, and refuses to go on when either differs (`record_problems`): the bundle then belongs to another study.
+
+Every file is written deterministically (sorted keys, gzip without a time stamp), so an unchanged record is an
+unchanged file and a commit of the bundle shows only what changed.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+from core.files import atomic_write_bytes
+
+FORMAT = 1
+README = "README.md"
+SWEEP_DOCUMENT = "sweep.json"
+REPORT_DOCUMENT = "report.json"
+RUNS_DIR = "runs"
+FROZEN_DIR = "frozen"
+RECORD_SUFFIX = ".json.gz"
+EXPORT_METADATA = "model.json"  # core.export's names, read here without importing torch
+DEFAULT_WEIGHTS = "open_clip.pt"
+
+
+# ----- files ----------------------------------------------------------------------------------------------------
+def canonical_json(document: object) -> bytes:
+    """Sorted keys, no spaces, UTF-8: one byte string per document."""
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def write_json_gz(path: Path, document: object) -> None:
+    """`document` as gzip-compressed canonical JSON, with no time stamp or file name in the gzip header."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, gzip.compress(canonical_json(document), compresslevel=9, mtime=0))
+
+
+def read_json_gz(path: Path) -> Any:
+    return json.loads(gzip.decompress(Path(path).read_bytes()).decode("utf-8"))
+
+
+def write_json(path: Path, document: object) -> None:
+    """Plain JSON for the small documents (sorted keys, indented: readable in a diff)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, (json.dumps(document, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
+                       .encode("utf-8"))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def export_weights(export_dir: Path) -> Path:
+    """The weights file of a model export (`model.json`'s "weights", else open_clip.pt)."""
+    metadata = Path(export_dir) / EXPORT_METADATA
+    name = json.loads(metadata.read_text()).get("weights", DEFAULT_WEIGHTS) if metadata.is_file() else DEFAULT_WEIGHTS
+    return Path(export_dir) / name
+
+
+def weights_sha256(export_dir: Path) -> Optional[str]:
+    """sha256 of an export's weights file (None when there is none): `sha256sum <export>/open_clip.pt`."""
+    weights = export_weights(export_dir)
+    return file_sha256(weights) if weights.is_file() else None
+
+
+def pretrained_weights(pretrained: Optional[str]) -> Optional[Path]:
+    """The local weights file a run starts from (`model.pretrained`): an export folder's weights, or the file
+    named; None for no weights or a hub tag such as `openai` (a name without a folder)."""
+    if not pretrained:
+        return None
+    path = Path(pretrained)
+    if path.is_dir():
+        return export_weights(path)
+    return path if path.suffix or len(path.parts) > 1 else None
+
+
+# ----- where things are -----------------------------------------------------------------------------------------
+def sweep_folder(bundle: Path, sweep_name: str) -> Path:
+    return Path(bundle) / sweep_name
+
+
+def run_record_path(bundle: Path, sweep_name: str, run_name: str) -> Path:
+    return sweep_folder(bundle, sweep_name) / RUNS_DIR / f"{run_name}{RECORD_SUFFIX}"
+
+
+def frozen_record_path(bundle: Path, sweep_name: str, label: str) -> Path:
+    return sweep_folder(bundle, sweep_name) / FROZEN_DIR / f"{label}{RECORD_SUFFIX}"
+
+
+def read_records(folder: Path) -> Dict[str, dict]:
+    """Every record of a `runs/` or `frozen/` folder by name ({} when the folder does not exist)."""
+    if not folder.is_dir():
+        return {}
+    return {path.name[:-len(RECORD_SUFFIX)]: read_json_gz(path) for path in sorted(folder.glob(f"*{RECORD_SUFFIX}"))}
+
+
+def read_run_record(bundle: Path, sweep_name: str, run_name: str) -> Optional[dict]:
+    path = run_record_path(bundle, sweep_name, run_name)
+    return read_json_gz(path) if path.is_file() else None
+
+
+# ----- is it the same run? --------------------------------------------------------------------------------------
+def config_differences(stored: Mapping[str, Any], now: Mapping[str, Any], limit: int = 8) -> List[str]:
+    """`key: stored -> now` for each key whose value differs (a key on one side only reads `<absent>`)."""
+    absent = "<absent>"
+    keys = [key for key in sorted(set(stored) | set(now)) if stored.get(key, absent) != now.get(key, absent)]
+    lines = [f"{key}: {stored.get(key, absent)!r} (bundle) -> {now.get(key, absent)!r} (now)" for key in keys[:limit]]
+    return lines + ([f"... and {len(keys) - limit} more keys"] if len(keys) > limit else [])
+
+
+def record_problems(record: Mapping[str, Any], digest: str, config: Mapping[str, Any],
+                    backbone_sha256: Optional[str]) -> List[str]:
+    """Why a run's stored record does not belong to the run as configured now ([] when it does): another config
+    (the differing keys named) or another backbone (its checksum differs: the study was not continued from the
+    same backbone, e.g. one regenerated on another kind of machine)."""
+    problems = []
+    if record.get("config_digest") != digest:
+        differences = config_differences(record.get("config") or {}, config)
+        problems.append("its config differs from the bundle's record: "
+                        + ("; ".join(differences) if differences else "same keys, another digest"))
+    stored = (record.get("backbone") or {}).get("sha256")
+    if stored != backbone_sha256:
+        path = (record.get("backbone") or {}).get("path")
+        problems.append(f"its backbone {path} has sha256 {backbone_sha256} here, and {stored} in the bundle: not "
+                        "the backbone the bundled runs started from")
+    return problems

@@ -1,0 +1,58 @@
+"""`python -m study.page --bundle results/study --out docs/study_results.md`: the study's page from its bundle.
+
+The page is the study report's Markdown (`study.report`: testbed validity, scores per split, selection, paired
+differences, the composition / recognition trade-off, the checks beside each row, mechanisms, validation curves,
+missing runs), made from the results bundle alone (`study/bundle.py`): no run folder and no world is read, so a
+clean clone makes the committed page again, byte for byte (tests/test_study.py checks it). Its figures go to
+`images/` beside the page, as `study_<name>.png` (`--no-plots`: the page alone).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional, Sequence
+
+from core.cli import add_output
+from study.analysis import select_settings
+from study.bundle import bundled_study, load_bundle
+from study.report import write_page
+from study.settings import StudyError
+
+def page_header(bundle: Path, out: Path) -> list:
+    return [f"<!-- Made by `python -m study.page --bundle {bundle} --out {out}` from the results bundle; edit the "
+            "code or the bundle, not this page. -->", "",
+            f"The method study's results, made from the committed bundle `{bundle}` (its README.md gives the format "
+            "and how to recompute any interval from the stored per-item outcomes). The design and the reading of "
+            "these numbers: README, \"Method study\"."]
+
+
+def make_page(bundle: Path, out: Path, plots: bool = True) -> str:
+    """The page's text (and, with `plots`, its figures), written to `out`."""
+    study, evaluations = load_bundle(bundle)
+    selections = select_settings(study, evaluations)
+    name = bundled_study(bundle)
+    source = f"the bundle `{bundle}` (`{name}/runs/*.json.gz`, `{name}/frozen/*.json.gz`)"
+    return write_page(study, evaluations, selections, out, page_header(bundle, out), source, plots)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--bundle", type=Path, required=True, help="the results bundle (e.g. results/study)")
+    add_output(parser, "file", required=True, help="the page (its figures go to images/ beside it)")
+    parser.add_argument("--no-plots", action="store_true", help="write the page only, not its figures")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Path:
+    args = parse_args(argv)
+    try:
+        make_page(args.bundle, args.out, plots=not args.no_plots)
+    except StudyError as err:
+        raise SystemExit(f"study error: {err}") from None
+    print(f"page: {args.out}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
