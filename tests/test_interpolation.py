@@ -99,7 +99,8 @@ def test_evaluation_scores_each_alpha_in_memory_and_keeps_per_item_outcomes(runs
 def test_different_architectures_are_refused_before_anything_is_written(runs, shapes_root, tmp_path):
     other = tmp_path / "other"
     run(tiny_config(shapes_root, other, "experiment=shapes", "model.name=ViT-Shapes-16-64", "trainer.max_steps=1"))
-    with pytest.raises(SystemExit, match="different architectures: ViT-Shapes-16-64 has embed_dim=128, ViT-Tiny-16-64 has 64"):
+    refusal = "different architectures: ViT-Shapes-16-64 has embed_dim=128, ViT-Tiny-16-64 has 64"
+    with pytest.raises(SystemExit, match=refusal):
         interpolation.main(["--run", str(runs["full"]), "--alphas", "0.5", "--out", str(tmp_path / "out"),
                             "--pretrained", str(other / "shapes" / "export")])
     assert not (tmp_path / "out").exists()
@@ -131,3 +132,17 @@ def test_alphas_are_checked(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         parse_alphas(text)
     assert parse_alphas("0, 0.25,1") == [0.0, 0.25, 1.0]
+
+
+def test_a_long_context_run_interpolates_with_its_stretched_backbone(runs, shapes_root):
+    """The pretrained end of a run that stretched its text context (Long-CLIP) is the stretched backbone it
+    started from: same architecture, the kept positions identical at both ends."""
+    root = runs["root"]
+    run(tiny_config(shapes_root, root, "experiment=long", f"model.pretrained={runs['backbone'] / 'export'}",
+                    "model.context_length=248", "trainer.max_steps=2", "optim.lr=1e-2"))
+    endpoints = load_endpoints(root / "long" / "export")
+    assert endpoints.pretrained.name == endpoints.finetuned.name == f"{TINY}-ctx248"
+    start, end = (e.model.positional_embedding.detach() for e in (endpoints.pretrained, endpoints.finetuned))
+    assert start.shape[0] == 248 and torch.equal(start[:20], end[:20]) and not torch.equal(start, end)
+    half = interpolate_state(endpoints.pretrained.model.state_dict(), endpoints.finetuned.model.state_dict(), 0.5)
+    assert torch.equal(half["positional_embedding"][:20], start[:20])

@@ -266,6 +266,33 @@ def test_export_merges_the_adapters_into_a_plain_open_clip_checkpoint(shapes_roo
     assert changed and all(key.endswith(("out_proj.weight", "c_fc.weight", "c_proj.weight")) for key in changed)
 
 
+class StopAfter(L.Callback):
+    """Stands in for a killed job: stop at `steps` (last.ckpt is written at the stop)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+def test_a_run_with_adapters_resumes_to_the_uninterrupted_weights(shapes_root, tmp_path):
+    """Stopped at step 3 of 6, then the same command again, against 6 straight: the adapters and their optimizer
+    state come back from last.ckpt; a rerun with another rank is refused (the checkpoint holds the run's own)."""
+    overrides = [*LORA_OVERRIDES, "optim.lr=1e-2", "trainer.limit_val_batches=0", "trainer.max_steps=6"]
+    run(tiny_config(shapes_root, tmp_path / "a", *overrides), extra_callbacks=[StopAfter(3)])
+    run(tiny_config(shapes_root, tmp_path / "a", *overrides))
+    run(tiny_config(shapes_root, tmp_path / "b", *overrides))
+    a, b = exported_state(tmp_path / "a" / "demo_pretrain"), exported_state(tmp_path / "b" / "demo_pretrain")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-6, msg=key)
+    from lightning_modules.resume import ResumeConfigError
+
+    with pytest.raises(ResumeConfigError, match="model.lora.rank"):
+        run(tiny_config(shapes_root, tmp_path / "a", *overrides, "model.lora.rank=2"))
+
+
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     cwd.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
