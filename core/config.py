@@ -31,6 +31,7 @@ class LoraConfig:
     # adapters (at optim.lr / optim.weight_decay) and the method's own heads; the export merges the adapters into
     # a plain open_clip checkpoint. 0 = off (full fine-tuning). At most the width of the narrowest targeted layer.
     rank: int = 0
+    # Scaling of the adapters' output: alpha / rank.
     alpha: float = 16.0
     # Dropout on each adapter's input, in training only.
     dropout: float = 0.0
