@@ -62,7 +62,8 @@ gpu-check: setup
 # pycocotools is groundingdino-py's own dependency (the wheels install with --no-deps); nothing of ours imports it.
 GPU_PREP := .gpu
 GPU_WHEELS := open-clip-torch==3.3.0 ftfy==6.3.1 wcwidth==0.9.4 omegaconf==2.4.0 addict==2.4.0 yapf==0.43.0 \
-	platformdirs==4.14.9 pycocotools==2.0.11 transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2
+	platformdirs==4.14.9 pycocotools==2.0.11 transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2 \
+	peft==0.21.2 accelerate==1.16.0 psutil==7.2.2
 GPU_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 

@@ -24,6 +24,27 @@ BASE_CONFIG = REPO_ROOT / "configs" / "base.yaml"
 
 
 @dataclass
+class LoraConfig:
+    # LoRA (Hu et al., ICLR 2022) through peft (modeling/lora.py): each targeted linear layer W of the CLIP towers
+    # computes W x + (alpha / rank) B A dropout(x), with A [rank, in] and B [out, rank] (B starts at zero, so training
+    # starts from the backbone exactly). Every backbone weight and logit_scale are frozen: the optimizer sees the
+    # adapters (at optim.lr / optim.weight_decay) and the method's own heads; the export merges the adapters into
+    # a plain open_clip checkpoint. 0 = off (full fine-tuning). At most the width of the narrowest targeted layer.
+    rank: int = 0
+    # Scaling of the adapters' output: alpha / rank.
+    alpha: float = 16.0
+    # Dropout on each adapter's input, in training only.
+    dropout: float = 0.0
+    # Which towers get adapters: image, text.
+    towers: List[str] = field(default_factory=lambda: ["image", "text"])
+    # Blocks of each chosen tower (0 = first, -1 = last); null = every block.
+    layers: Optional[List[int]] = None
+    # Which linear layers of a block: out_proj (the attention's output projection), c_fc and c_proj (the MLP).
+    # The attention's packed query/key/value projection is a bare parameter, not a linear layer, and stays frozen.
+    targets: List[str] = field(default_factory=lambda: ["out_proj", "c_fc", "c_proj"])
+
+
+@dataclass
 class ModelConfig:
     # Any open_clip model name. OpenAI-derived weights need a `-quickgelu` name; with `pretrained: openai`
     # the suffix is added automatically (see encoders.canonical_model_name).
@@ -43,6 +64,8 @@ class ModelConfig:
     # Arithmetic of the stretch: "float16" as Long-CLIP / SmartCLIP (they stretch the fp16 OpenAI weights in
     # fp16, so interpolated positions carry fp16 rounding), "float32" [ours: exact up to fp32 rounding].
     stretch_dtype: str = "float16"
+    # Low-rank adapters instead of full fine-tuning (off with rank 0).
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

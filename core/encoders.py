@@ -133,6 +133,14 @@ def _export_config_dir(pretrained: Optional[str]) -> Optional[str]:
     return str(directory) if directory.is_dir() else None
 
 
+def model_config(name: str, pretrained: Optional[str] = None, config_dir: Optional[str] = None) -> Optional[dict]:
+    """The open_clip config `build_model` would build `name` from (None for a name open_clip does not know),
+    read without building anything."""
+    register_model_configs(config_dir)
+    register_model_configs(_export_config_dir(pretrained))
+    return open_clip.get_model_config(name)
+
+
 def build_model(name: str, pretrained: Optional[str] = None, config_dir: Optional[str] = None) -> BuiltModel:
     """Build any open_clip model with random weights, a pretrained tag, or a local checkpoint or export."""
     register_model_configs(config_dir)
@@ -195,6 +203,42 @@ def attention_with_probs(block: ResidualAttentionBlock, x: Tensor,
     """`attention_with_trace` returning only the output and the probabilities."""
     out, trace = attention_with_trace(block, x, attn_mask)
     return out, trace.probs
+
+
+def wraps_out_projection(block: ResidualAttentionBlock) -> bool:
+    """Whether the block's attention output projection is wrapped (a LoRA adapter, modeling/lora.py).
+
+    `nn.MultiheadAttention.forward` reads `out_proj.weight` itself and never calls `out_proj`, so it would skip the
+    wrapper: such a block runs `explicit_attention` instead of open_clip's own."""
+    return not isinstance(block.attn.out_proj, nn.Linear)
+
+
+def explicit_attention(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
+    """The block's self-attention (batch-first, on the ln_1 output) from its own weights and modules, with
+    `out_proj` called as a module: the computation of `nn.MultiheadAttention`'s training path (equal to it bit for
+    bit in float32 on the CPU), which its fused inference kernel matches up to float rounding."""
+    attn = block.attn
+    batch, length, width = x.shape
+    qkv = F.linear(x, attn.in_proj_weight, attn.in_proj_bias)
+    q, k, v = qkv.view(batch, length, 3, attn.num_heads, width // attn.num_heads).permute(2, 0, 3, 1, 4)
+    mask = attn_mask.to(q.dtype) if attn_mask is not None else None
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=attn.dropout if attn.training else 0.0)
+    return attn.out_proj(context.transpose(1, 2).reshape(batch, length, width))
+
+
+def self_attention(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
+    """open_clip's `block.attention` on the ln_1 output, or `explicit_attention` when its `out_proj` is wrapped."""
+    if wraps_out_projection(block):
+        return explicit_attention(block, x, attn_mask)
+    return block.attention(q_x=x, attn_mask=attn_mask)
+
+
+def run_block_plain(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
+    """open_clip's `block(x, attn_mask=attn_mask)`, through `self_attention` (so a wrapped `out_proj` counts)."""
+    if not wraps_out_projection(block):
+        return block(x, attn_mask=attn_mask)
+    x = x + block.ls_1(explicit_attention(block, block.ln_1(x), attn_mask))
+    return x + block.ls_2(block.mlp(block.ln_2(x)))
 
 
 def run_block(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor],
@@ -266,7 +310,7 @@ def _recomputes_mlp(block: ResidualAttentionBlock) -> bool:
 def run_block_recomputing_activation(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
     """open_clip's `block(x, attn_mask=attn_mask)` with `mlp_recomputing_activation`: the same values."""
     _check_supported_block(block)
-    x = x + block.ls_1(block.attention(q_x=block.ln_1(x), attn_mask=attn_mask))
+    x = x + block.ls_1(self_attention(block, block.ln_1(x), attn_mask))
     mlp_input = block.ln_2(x)
     mlp_output = mlp_recomputing_activation(block.mlp, mlp_input) if _recomputes_mlp(block) else block.mlp(mlp_input)
     return x + block.ls_2(mlp_output)
@@ -288,10 +332,10 @@ def run_blocks(transformer: Transformer, x: Tensor, attn_mask: Optional[Tensor] 
             _append(block_inputs, x)
             x = run_block_recomputing_activation(block, x, attn_mask)
         return x, None
-    if not need_attn and block_inputs is not None:
+    if not need_attn and (block_inputs is not None or any(map(wraps_out_projection, transformer.resblocks))):
         for block in transformer.resblocks:  # Transformer.forward's own loop (batch-first)
-            block_inputs.append(x)
-            x = block(x, attn_mask=attn_mask)
+            _append(block_inputs, x)
+            x = run_block_plain(block, x, attn_mask)
         return x, None
     if not need_attn:
         return transformer(x, attn_mask=attn_mask), None
@@ -410,13 +454,16 @@ class CLIPEncoders(nn.Module):
         return tuple(self.model.visual.grid_size)
 
     def encode_text(self, ids: Tensor, replace: Optional[Tensor] = None, mask_token: Optional[Tensor] = None,
-                    attn: bool = False, trim: bool = False, keep_block_inputs: bool = False) -> TextFeatures:
+                    attn: bool = False, trim: bool = False, keep_block_inputs: bool = False,
+                    embeddings_as_leaf: bool = False) -> TextFeatures:
         """Encode token ids [B, L]; `replace` [B, L] swaps token embeddings for `mask_token`.
 
         `trim` drops the positions after the batch's last EOS before the tower runs: the tower is causal and
         pools EOS, so `pooled` is unchanged while COCO captions (~15 of 77 tokens) cost a fraction of the
         compute. Per-token outputs then have the trimmed length. `keep_block_inputs` returns each block's input
-        (`TextFeatures.block_inputs`, what `encode_text_continuations` starts from).
+        (`TextFeatures.block_inputs`, what `encode_text_continuations` starts from). `embeddings_as_leaf` makes
+        token embeddings that require no grad (a frozen token embedding, as under LoRA) a leaf that does, so that
+        gradient-based attributions can differentiate them and everything after them; no value changes.
         """
         if trim:
             length = int(ids.argmax(dim=-1).max()) + 1
@@ -425,6 +472,8 @@ class CLIPEncoders(nn.Module):
         m = self.model
         cast_dtype = m.transformer.get_cast_dtype()
         embeddings = _replace(m.token_embedding(ids).to(cast_dtype), replace, mask_token)
+        if embeddings_as_leaf and not embeddings.requires_grad:
+            embeddings = embeddings.detach().requires_grad_(True)
         return self.encode_text_embeddings(embeddings, ids, attn, keep_block_inputs)
 
     def encode_text_embeddings(self, embeddings: Tensor, ids: Tensor, attn: bool = False,

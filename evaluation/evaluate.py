@@ -7,6 +7,8 @@ Examples:
     python -m evaluation.evaluate --list
     python -m evaluation.evaluate --run runs/negclip --scorer sgi scorer.global_weight=0.5 \
         --benchmarks sugarcrepe --data-root /data/benchmarks
+    python -m evaluation.evaluate --run runs/negclip --alphas 0,0.5,1 --benchmarks sugarcrepe \
+        --data-root /data/benchmarks
 
 Each benchmark reads `<data-root>/<name>/` unless `roots.NAME=DIR` says otherwise; `options.NAME.OPTION=VALUE`
 passes a constructor option (image folders, splits); both are the keys of a training config's `evaluation:`
@@ -26,6 +28,13 @@ part of a registered combined aggregate (`evaluation.benchmarks.COMBINED`, e.g. 
 `whatsup_ab` = mean of whatsup_a and whatsup_b), its numbers are written beside the benchmarks' own, and
 `--reaggregate` prints them too.
 
+`--alphas A,B,...` (with `--run`) scores the run's weight interpolations (WiSE-FT, `evaluation/interpolation.py`):
+theta = (1 - alpha) theta_pretrained + alpha theta_finetuned, the pretrained end being the backbone the run
+started from (recorded in its export) or `--pretrained` (an export folder, checkpoint or tag). The interpolated
+models are held in memory, never written (`python -m evaluation.interpolation` writes them); each alpha's results
+go to `<out>/alpha-<alpha>/` and record the alpha and both ends (`wise_ft`). Two ends of different architectures
+are refused before anything is scored.
+
 Every result records what was scored: for `--run` (or `--pretrained` naming an export) the export's training
 step (`global_step`) and the sha256 of its weights file (`weights_sha256`), for a local checkpoint its sha256,
 for a pretrained tag the tag. A results folder accumulates evaluations; when its benchmarks of one run were
@@ -41,8 +50,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import yaml
 
@@ -55,6 +65,8 @@ from evaluation.harness import (AGGREGATES_FILE, BenchmarkResult, available_benc
                                 check_all_images, combined_aggregates, default_roots, folder_results,
                                 log_to_tensorboard, markdown_tables, mixed_weights_message, reaggregate,
                                 rewrite_tables, run_benchmark, run_each, write_results)
+from evaluation.interpolation import (InterpolationError, alpha_folder, interpolated_model, load_endpoints,
+                                      parse_alphas, wise_ft_record)
 from evaluation.provenance import Provenance, ProvenanceError, export_provenance, pretrained_provenance, run_export_dir
 from evaluation.scorers import PRECISIONS, ClipScorer, Scorer
 from evaluation.sgi import SGIScorer
@@ -86,7 +98,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--run", type=Path, help="a training run directory (evaluates its export/)")
     model.add_argument("--model", help="open_clip model name (with --pretrained)")
-    parser.add_argument("--pretrained", help="open_clip pretrained tag or checkpoint path")
+    parser.add_argument("--pretrained", help="open_clip pretrained tag or checkpoint path (with --run --alphas: the "
+                        "pretrained end instead of the run's own backbone)")
+    parser.add_argument("--alphas", type=parse_alphas, help="with --run: score the weight interpolations (1 - alpha) "
+                        "pretrained + alpha fine-tuned for these alphas in [0, 1], e.g. 0,0.5,1 (in memory; results "
+                        "in <out>/alpha-<alpha>/)")
     parser.add_argument("--scorer", default=DEFAULT_SCORER, choices=list(SCORERS),
                         help=f"how an image and a text are scored (default {DEFAULT_SCORER})")
     parser.add_argument("--no-cost-comparison", action="store_true",
@@ -279,19 +295,51 @@ def print_reaggregated(folder: Path) -> None:
     print(f"rewrote {AGGREGATES_FILE}, results.md and results.csv in {folder}")
 
 
-def prepare(args: argparse.Namespace) -> Tuple[Provenance, Dict[str, Benchmark], Scorer]:
+@dataclass
+class Evaluation:
+    """One model to score: its scorer (built on demand), its results folder and what its results record."""
+
+    scorer: Callable[[], Scorer]
+    out: Path
+    record: Dict[str, object]
+    step_label: str = ""
+
+
+def prepare(args: argparse.Namespace) -> Tuple[Provenance, Dict[str, Benchmark], List[Evaluation]]:
     """What is checked before the first benchmark is scored, in one-line errors: the weights (a run without an
     export stops before anything is built), every benchmark's files and images, then the scorer, built from the
-    weights that were hashed."""
+    weights that were hashed (with --alphas both ends, refused when their architectures differ)."""
     try:
         provenance = weights_provenance(args)
         benchmarks = select_benchmarks(args)
         check_all_images(benchmarks)
-        scorer = build_scorer(args)
+        evaluations = interpolations(args) if args.alphas else [single_evaluation(args)]
         provenance.check_unchanged()
-    except (ProvenanceError, MissingBenchmarkData) as err:
+    except (ProvenanceError, MissingBenchmarkData, InterpolationError) as err:
         raise SystemExit(str(err)) from None
-    return provenance, benchmarks, scorer
+    return provenance, benchmarks, evaluations
+
+
+def single_evaluation(args: argparse.Namespace) -> Evaluation:
+    scorer = build_scorer(args)
+    return Evaluation(lambda: scorer, output_dir(args), {})
+
+
+def interpolations(args: argparse.Namespace) -> List[Evaluation]:
+    """One evaluation per alpha of the run's weight interpolation, each scorer built when its turn comes."""
+    if not args.run:
+        raise SystemExit("--alphas interpolates a run's export with the backbone it started from: give --run RUN_DIR")
+    endpoints = load_endpoints(run_export_dir(args.run), args.pretrained)
+    scorer_class = SCORERS[args.scorer]
+    kwargs = dict(device=args.device, precision=args.precision, batch_size=args.batch_size,
+                  num_workers=args.num_workers, **scorer_options(args.scorer, args.scorer_options))
+
+    def evaluation(alpha: float) -> Evaluation:
+        record = wise_ft_record(endpoints, alpha)
+        return Evaluation(lambda: scorer_class.from_built(interpolated_model(endpoints, alpha), record, **kwargs),
+                          output_dir(args) / alpha_folder(alpha), record, alpha_folder(alpha))
+
+    return [evaluation(alpha) for alpha in args.alphas]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List:
@@ -303,11 +351,31 @@ def main(argv: Optional[Sequence[str]] = None) -> List:
     if args.reaggregate:
         print_reaggregated(args.reaggregate)
         return []
-    provenance, benchmarks, scorer = prepare(args)
-    out = output_dir(args)
+    provenance, benchmarks, evaluations = prepare(args)
+    results, failures = [], []
+    for evaluation in evaluations:
+        if len(evaluations) > 1:
+            print(f"\n{evaluation.step_label}: {evaluation.out}", flush=True)
+        scored, failed = evaluate(args, provenance, benchmarks, evaluation)
+        results += scored
+        failures += [(evaluation, failure) for failure in failed]
+    if failures:
+        for evaluation, failure in failures:
+            print(f"failed: {evaluation.step_label + ' ' if evaluation.step_label else ''}{failure.summary()}",
+                  file=sys.stderr)
+        kept = f"; the results of the others are in {output_dir(args)}" if results else ""
+        raise SystemExit(f"{len(failures)} of {len(benchmarks) * len(evaluations)} benchmarks failed "
+                         f"({', '.join(f.name for _, f in failures)}){kept}")
+    return results
+
+
+def evaluate(args: argparse.Namespace, provenance: Provenance, benchmarks: Dict[str, Benchmark],
+             evaluation: Evaluation) -> Tuple[List[BenchmarkResult], List]:
+    """Score one model on every benchmark, writing each result as it comes, then the tables and the cost."""
+    scorer, out = evaluation.scorer(), evaluation.out
 
     def run_metadata() -> Dict[str, object]:  # a scorer's description counts what it has done so far (sgi)
-        return {**scorer.describe(), **provenance.record, "benchmarks": ",".join(benchmarks)}
+        return {**scorer.describe(), **provenance.record, **evaluation.record, "benchmarks": ",".join(benchmarks)}
 
     results, failures = run_each(benchmarks, scorer, lambda result: write_results(out, [result], run_metadata()),
                                  progress=not args.no_progress)
@@ -320,16 +388,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List:
         write_results(out, results, metadata)
     report(out, results, metadata, cost)
     if args.tensorboard is not None and results:
-        log_dir = tensorboard_dir(args, out)
+        log_dir = tensorboard_dir(args, output_dir(args)) / evaluation.step_label
         log_to_tensorboard(results, log_dir, step=provenance.record.get("global_step") or 0)
         print(f"TensorBoard events in {log_dir}")
-    if failures:
-        for failure in failures:
-            print(f"failed: {failure.summary()}", file=sys.stderr)
-        kept = f"; the results of the others are in {out}" if results else ""
-        raise SystemExit(f"{len(failures)} of {len(benchmarks)} benchmarks failed "
-                         f"({', '.join(f.name for f in failures)}){kept}")
-    return results
+    return results, failures
 
 
 def report(out: Path, results: Sequence[BenchmarkResult], metadata: Dict[str, object],

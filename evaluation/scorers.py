@@ -211,9 +211,13 @@ class ClipScorer(EmbeddingScorer):
         """A model exported by `fit` (`runs/<experiment>/export`)."""
         from core.export import load_export
 
-        built = load_export(export_dir)
+        return cls.from_built(load_export(export_dir), {"pretrained": str(export_dir)}, **kwargs)
+
+    @classmethod
+    def from_built(cls, built, metadata: Optional[Dict[str, object]] = None, **kwargs) -> "ClipScorer":
+        """A model already built (`core.encoders.BuiltModel`), e.g. a weight interpolation held in memory."""
         return cls(built.model, built.tokenizer, built.preprocess_val,
-                   metadata={"model": built.name, "pretrained": str(export_dir)}, **kwargs)
+                   metadata={"model": built.name, **(metadata or {})}, **kwargs)
 
     def text_keys(self, texts: Sequence[str]) -> List[bytes]:
         """The token ids the text tower reads (see `Scorer.text_keys`)."""

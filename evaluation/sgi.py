@@ -332,6 +332,13 @@ class SGIScorer(Scorer):
         """SGI on the CLIP of a `fit` export."""
         return cls(ClipScorer.from_export(export_dir, **clip_kwargs), grids, global_weight, resize)
 
+    @classmethod
+    def from_built(cls, built, metadata: Optional[Dict[str, object]] = None,
+                   grids: Union[str, Sequence] = DEFAULT_GRIDS, global_weight: float = DEFAULT_GLOBAL_WEIGHT,
+                   resize: str = DEFAULT_RESIZE, **clip_kwargs) -> "SGIScorer":
+        """SGI on a CLIP already built (`core.encoders.BuiltModel`), e.g. a weight interpolation in memory."""
+        return cls(ClipScorer.from_built(built, metadata, **clip_kwargs), grids, global_weight, resize)
+
     def global_cosine_twin(self) -> ClipScorer:
         """The global cosine of the same model, preprocess, device, precision and batching, with empty caches:
         what SGI's cost is compared with."""

@@ -8,6 +8,7 @@ methods stay small.
 """
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -18,9 +19,12 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from core.encoders import BuiltModel, CLIPEncoders, build_model
-from modeling.long_context import (STRETCH_DTYPES, restore_kept_positions, stretch_text_context,
-                                            zero_kept_gradients)
+from core.encoders import BuiltModel, CLIPEncoders
+from modeling.backbone import build_backbone
+from modeling.long_context import restore_kept_positions, zero_kept_gradients
+from modeling.lora import add_lora, adapter_parameter_count, merged
+
+log = logging.getLogger(__name__)
 
 Terms = Dict[str, Tensor]
 
@@ -79,12 +83,14 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
 
     Class attributes read by `fit.check_inputs` before anything is built: `uses_hard_negatives` (the method
     trains on NegCLIP's hard-negative captions, `method.hard_negatives.captions` > 0),
-    `uses_hard_negative_images` (it trains on NegCLIP's neighbour images, `method.hard_negatives.images`) and
-    `required_masks` (the preprocessing cache's masks it reads from every batch: data.masks=true).
+    `uses_hard_negative_images` (it trains on NegCLIP's neighbour images, `method.hard_negatives.images`),
+    `required_masks` (the preprocessing cache's masks it reads from every batch: data.masks=true) and
+    `trains_backbone` (false for a method on a frozen backbone: LoRA adapters, `model.lora`, are refused).
     """
 
     uses_hard_negatives = False
     uses_hard_negative_images = False
+    trains_backbone = True
 
     def __init__(self, cfg: DictConfig):
         super().__init__()
@@ -105,24 +111,28 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
 
     @staticmethod
     def _build_model(model: DictConfig) -> Tuple[BuiltModel, Optional[Tensor]]:
-        """The open_clip model, with its text context stretched when `model.context_length` is longer.
+        """The open_clip model (its text context stretched when `model.context_length` is longer), with LoRA
+        adapters when `model.lora.rank` > 0 (every backbone weight then frozen).
 
         Returns the built model and the values of its frozen leading positions (None without a stretch).
         """
-        built = build_model(model.name, model.pretrained, model.config_dir)
-        if not model.context_length or model.context_length == built.model.context_length:
-            return built, None
-        if model.context_length < built.model.context_length:
-            raise ValueError(f"model.context_length={model.context_length} is shorter than {built.name}'s own "
-                             f"{built.model.context_length}; the stretch only lengthens the text context")
-        built = stretch_text_context(built, model.context_length, model.keep_positions,
-                                     STRETCH_DTYPES[model.stretch_dtype])
-        return built, built.model.positional_embedding.detach()[: model.keep_positions].clone()
+        built, kept_positions = build_backbone(model)
+        if model.lora.rank:
+            add_lora(built.model, model.lora)
+            log.info("LoRA rank %d: %d adapter parameters on %s", model.lora.rank,
+                     adapter_parameter_count(built.model), ", ".join(model.lora.towers))
+        return built, kept_positions
 
     @property
     def clip(self) -> nn.Module:
-        """The open_clip model being trained (what gets exported)."""
+        """The open_clip model being trained (with its LoRA adapters, if any)."""
         return self.encoders.model
+
+    def plain_clip(self) -> nn.Module:
+        """The open_clip model as plain open_clip runs it (what is exported and what benchmarks score): `clip`,
+        or with LoRA a copy with the adapters merged into the weights (open_clip's own forward would skip an
+        adapter on an attention's output projection, modeling/lora.py)."""
+        return merged(self.clip)
 
     # ----- NegCLIP's hard-negative captions, shared by every method that takes them ---------------------------
     @property

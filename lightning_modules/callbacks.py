@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import lightning as L
+from omegaconf import OmegaConf
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from torch import nn
@@ -157,11 +158,19 @@ class ExportCallback(L.Callback):
         if not trainer.is_global_zero:
             return
         module.refuse_non_finite_export()
-        extra = {"method": module.cfg.method.name, "global_step": trainer.global_step,
-                 "initialised_from": module.cfg.model.pretrained}
-        path = export_model(module.clip, module.model_name, self.export_dir, extra,
-                            getattr(module, "model_config", None))
+        path = export_model(module.plain_clip(), module.model_name, self.export_dir,
+                            export_metadata(module.cfg, trainer.global_step), getattr(module, "model_config", None))
         log.info("exported %s (step %d) to %s", module.model_name, trainer.global_step, path)
+
+
+def export_metadata(cfg, global_step: int) -> dict:
+    """What model.json records beside the weights: the method, the step, and the backbone the run started from
+    (its `model` section without the adapters: what weight interpolation rebuilds as the pretrained end, see
+    evaluation/interpolation.py) and the adapters the export merged, if any."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    lora = model.pop("lora")
+    return {"method": cfg.method.name, "global_step": global_step, "initialised_from": model["pretrained"],
+            "backbone": model, "lora": lora if lora["rank"] else None}
 
 
 @contextmanager
@@ -216,6 +225,6 @@ class BenchmarkEvaluation(L.Callback):
             if hasattr(module, "benchmark_scorer"):  # a method that scores differently (the aligners)
                 scorer = module.benchmark_scorer(str(module.device), precision, self.batch_size)
             else:
-                scorer = ClipScorer(module.clip, module.tokenizer, module.preprocess_val, device=str(module.device),
-                                    precision=precision, batch_size=self.batch_size)
+                scorer = ClipScorer(module.plain_clip(), module.tokenizer, module.preprocess_val,
+                                    device=str(module.device), precision=precision, batch_size=self.batch_size)
             return run_all(self.benchmarks, scorer)

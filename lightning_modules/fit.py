@@ -33,11 +33,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.cli import AUTO, PRECISIONS, add_key_values, precision_problem
 from core.config import ConfigError, save_config
+from core.encoders import model_config
 from datamodules.coco import CocoDataModule
 from datamodules.inputs import InputError, data_input_problems, raise_if_any
 from evaluation.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData
 from evaluation.harness import build_benchmarks, default_roots
 from evaluation.leakage import TrainingOverlapError, check_training_overlap, config_training_image_ids
+from modeling.lora import lora_setting_problems
 from lightning_modules import METHODS, load_run_config_or_exit, method_class
 from lightning_modules.monitor import build_attribution_monitor
 from lightning_modules.base import CompositionalCLIPModule
@@ -336,10 +338,25 @@ def registered_method(name: str) -> type:
 
 
 def config_problems(cfg: DictConfig, method: type) -> List[str]:
-    """What the config asks of `method` that cannot work, found without reading any file (slurm.sweep checks
-    every run of a sweep with this before submitting)."""
+    """What the config asks of `method` that cannot work, found without reading any data file or building a
+    model (slurm.sweep checks every run of a sweep with this before submitting)."""
     return (hard_negative_problems(cfg, method) + mask_problems(cfg, method) + benchmark_name_problems(cfg)
-            + precision_problems(cfg))
+            + precision_problems(cfg) + lora_problems(cfg, method))
+
+
+def lora_problems(cfg: DictConfig, method: type) -> List[str]:
+    """LoRA (`model.lora.rank` > 0) needs a method that trains its backbone (`trains_backbone`), and settings that
+    fit the model's layers (read from its open_clip config, not built)."""
+    lora = cfg.model.lora
+    if not lora.rank:
+        return []
+    if not getattr(method, "trains_backbone", True):
+        users = ", ".join(name for name, cls in sorted(METHODS.items()) if getattr(cls, "trains_backbone", True))
+        return [f"model.lora.rank={lora.rank}: method {cfg.method.name} keeps its backbone frozen and trains only its "
+                f"own head, so there is nothing for adapters to adapt (LoRA applies to {users}); set "
+                f"model.lora.rank=0"]
+    model = cfg.model
+    return lora_setting_problems(lora, model_config(model.name, model.pretrained, model.config_dir))
 
 
 def precision_problems(cfg: DictConfig) -> List[str]:

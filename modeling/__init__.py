@@ -6,4 +6,6 @@
 - `attribution.py`: per-token text attribution (attention, GradCAM, perturbation, gradient) and Grad-ECLIP image
   maps, selected by name through `ATTRIBUTIONS`; CLIP-CAE's losses and the attribution monitor read it.
 - `aligner.py`: the TFLocal / TFGlobal aligner module.
+- `backbone.py`: the backbone a run starts from, as its config's `model` section describes it.
+- `lora.py`: LoRA adapters on the CLIP towers through peft, their checks and their merge.
 """

@@ -36,6 +36,7 @@ Modules, each one job (each imports only modules above it in this list):
     render     a scene drawn as pixels (`draw_scene`); a true caption's phrases with their spans and boxes.
     files      the files of a split, `generate`, and the readers (`load_scene_graphs`, `load_swap_items`,
                `load_heldout`).
+    zeroshot   single-object zero-shot classification sets of a generated world (its own command line).
     __main__   the command line.
 
 Usage:

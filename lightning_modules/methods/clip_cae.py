@@ -105,7 +105,8 @@ class ClipCAE(ClipFineTune):
             # perturbation runs each perturbed caption from its replaced word on, from the blocks' inputs here
             text_features = self.encoders.encode_text(batch["text"], attn=self.attribution in EXPLICIT_ATTENTION,
                                                       trim=not self.needs_full_context,
-                                                      keep_block_inputs=self.attribution == "perturbation")
+                                                      keep_block_inputs=self.attribution == "perturbation",
+                                                      embeddings_as_leaf=self.attribution in GRADIENT_BASED)
             # [paper] the attribution regularises the text encoder only: the image embedding is a constant here
             attribution = self._attribution(batch, image.detach(), text_features)
         text = F.normalize(text_features.pooled, dim=-1)

@@ -150,6 +150,8 @@ class AlignerModule(CompositionalCLIPModule):
     required_masks: Tuple[str, ...] = ()
     # method.hard_negatives.captions: the aligner loss scores each sample's hard captions (from the batch)
     uses_hard_negatives = True
+    # the backbone stays frozen: fit refuses LoRA adapters (model.lora) for it
+    trains_backbone = False
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
