@@ -52,14 +52,19 @@ perf: setup
 	$(PY) -m perf.preprocess --out runs/perf_preprocess.json
 	$(PY) -m perf.loader --out runs/perf_loader.json
 
-# The GPU check (docs/gpu.md): one command on a machine with a CUDA GPU, at most 8 minutes.
-gpu-check: setup
-	$(PY) -m perf.gpu --out runs/perf_gpu
+# The GPU check (docs/gpu.md): one command on a machine with one CUDA GPU, at most 8 minutes, results in
+# $(GPU_OUT).json / .md / .log. It needs no venv: the GPU machine's python3 has torch and Lightning, and the bundle
+# that `make gpu-prepare` wrote brings the rest (its first stage installs the wheels into $(GPU_PREP)/site).
+GPU_PYTHON ?= python3
+GPU_OUT ?= runs/gpu_check
+gpu-check:
+	$(GPU_PYTHON) -m perf.gpu_check --bundle $(GPU_PREP) --out $(GPU_OUT)
 
-# For a GPU machine that has no package registry and no spaCy (e.g. a GPU node whose python3 3.12 has torch,
-# lightning, timm, ... but not the packages below, and transformers 5, which GroundingDINO cannot use): wheels of
-# what it lacks and the training batch's caption records, into $(GPU_PREP)/ (git-ignored; carried to the machine).
-# pycocotools is groundingdino-py's own dependency (the wheels install with --no-deps); nothing of ours imports it.
+# The bundle for a GPU machine that has no package registry and no spaCy (its python3 3.12 has torch, lightning,
+# timm, ... but not the packages below, and transformers 5, which GroundingDINO cannot use): wheels of what it
+# lacks, a small shapes world with its preprocessing cache and the throughput batch's caption records, into
+# $(GPU_PREP)/ (git-ignored; carried to the machine). perf.gpu_bundle prints the size with the tracked files and
+# fails over 64 MiB. pycocotools is groundingdino-py's own dependency (the wheels install with --no-deps).
 GPU_PREP := .gpu
 GPU_WHEELS := open-clip-torch==3.3.0 ftfy==6.3.1 wcwidth==0.9.4 omegaconf==2.4.0 addict==2.4.0 yapf==0.43.0 \
 	platformdirs==4.14.9 pycocotools==2.0.11 transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2 \
@@ -68,10 +73,10 @@ GPU_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 gpu-prepare: setup
-	rm -rf $(GPU_PREP) && mkdir -p $(GPU_PREP)/whl
+	rm -rf $(GPU_PREP)/whl $(GPU_PREP)/site && mkdir -p $(GPU_PREP)/whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORM) -d $(GPU_PREP)/whl $(GPU_WHEELS)
 	$(PY) -m pip wheel -q --no-deps -w $(GPU_PREP)/whl groundingdino-py==0.4.0
-	$(PY) -m perf.gpu --write-records --out $(GPU_PREP)/records.json
+	$(PY) -m perf.gpu_bundle --out $(GPU_PREP)
 
 # The controlled method study (docs/study.md), the framework's headline experiment: world, preprocessing
 # cache, three backbones, the frozen features of the aligner methods, the sweep of every method x condition x lr x

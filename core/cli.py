@@ -26,13 +26,13 @@ and `16-mixed` (autocast over float32 weights; `autocast_dtype`). Lightning's ow
 
 Key=value settings. One form: positional `KEY=VALUE` arguments, interleaved with the options in any order, later
 ones winning. Where a command reads an experiment config they are its dotlist overrides, merged over the
-`--config` files (fit, preprocess, features, perf.step, perf.loader, study.term_gradients). Elsewhere they are
-the command's own named settings under a few sections (`key_value_sections`): evaluate's `roots.NAME=DIR` and
-`options.NAME.OPTION=VALUE` (the keys of the config's `evaluation:` section) and `scorer.OPTION=VALUE`, the
-demo's `runs.LABEL=RUN_DIR`, the sweep's `only.AXIS=LABEL`. Positional dotted keys rather than repeatable
-`--option NAME=VALUE` flags, because fit's overrides, the most used of them, already had that form, the keys
-spell the same path as the YAML that would hold them, and one form means one way to type a setting whatever
-the command; a key outside the command's sections is refused naming those it has.
+`--config` files (fit, preprocess, features, perf.step, perf.loader, study.term_gradients; the sweep's, beside its
+`only.AXIS=LABEL`, override every run's). Elsewhere they are the command's own named settings under a few
+sections (`key_value_sections`): evaluate's `roots.NAME=DIR` and `options.NAME.OPTION=VALUE` (the keys of the
+config's `evaluation:` section) and `scorer.OPTION=VALUE`, the demo's `runs.LABEL=RUN_DIR`. Positional dotted
+keys rather than repeatable `--option NAME=VALUE` flags, because fit's overrides, the most used of them, already
+had that form, the keys spell the same path as the YAML that would hold them, and one form means one way to type
+a setting whatever the command; a key outside the command's sections is refused naming those it has.
 
 Data root. `--data-root DIR` is the folder a command reads its data from (a shapes world, the folder holding
 one sub-folder per benchmark, the stand-ins' folder); a root of one item below it is a key=value setting

@@ -147,8 +147,9 @@ class DataConfig:
     # Derived by fit and recorded in the run's config.yaml; setting them is an error.
     per_device_batch_size: Optional[int] = None
     per_device_val_batch_size: Optional[int] = None
-    # DataLoader worker processes per device.
-    num_workers: int = 4
+    # Loader processes per device, or "auto": none when training on the CPU (the run's threads are its compute and
+    # a worker would take some), on a GPU the run's share of the CPUs less one (at most 8): `loader_workers`.
+    num_workers: Any = 4
     # What a missing or unreadable image does: "error" (raise, naming the file) or "skip" (counted, logged).
     on_bad_image: str = "error"
     # Random-resized-crop augmentation for training (false = the deterministic eval transform).
@@ -570,7 +571,45 @@ def load_config(config_files: Sequence[os.PathLike | str] = (), overrides: Seque
         cfg = _merge(cfg, content, where, methods)
     own_choices = getattr(options, "CHOICES", {})
     _check_choices(cfg, {**_CHOICES, **{f"method.{key}": allowed for key, allowed in own_choices.items()}})
+    # "auto" becomes the number this machine and accelerator get (config.yaml records it).
+    cfg.data.num_workers = loader_workers(cfg.data.num_workers, cfg.trainer.accelerator, cfg.trainer.devices)
     return cfg
+
+
+# data.num_workers=auto on a GPU: at most this many loader processes per device.
+MAX_AUTO_WORKERS = 8
+GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def uses_gpu(accelerator: str) -> bool:
+    """Whether `trainer.accelerator` trains on a CUDA GPU ("auto": when this machine has one)."""
+    if accelerator in GPU_ACCELERATORS:
+        return True
+    if accelerator != "auto":
+        return False
+    import torch  # only for "auto": reading a config needs no torch otherwise
+
+    return torch.cuda.is_available()
+
+
+def cpu_share() -> int:
+    """The CPUs this process may use: OMP_NUM_THREADS when a launcher split them (a local sweep's --jobs), else its
+    affinity mask (as SLURM or taskset set it)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    return int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0))
+
+
+def loader_workers(num_workers: Any, accelerator: str, devices: Any = 1) -> int:
+    """`data.num_workers` as a number: itself, or for "auto" 0 on the CPU and on a GPU the CPU share of each device
+    less the training process, between 1 and `MAX_AUTO_WORKERS`."""
+    if num_workers != "auto":
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(f"data.num_workers={num_workers!r}: give a number >= 0 or auto")
+        return num_workers
+    if not uses_gpu(accelerator):
+        return 0
+    per_device = cpu_share() // (devices if isinstance(devices, int) and devices > 0 else 1)
+    return max(1, min(MAX_AUTO_WORKERS, per_device - 1))
 
 
 def load_config_or_exit(config_files: Sequence[os.PathLike | str], overrides: Sequence[str],

@@ -15,7 +15,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import open_clip
 import torch
@@ -454,19 +454,21 @@ class CLIPEncoders(nn.Module):
         return tuple(self.model.visual.grid_size)
 
     def encode_text(self, ids: Tensor, replace: Optional[Tensor] = None, mask_token: Optional[Tensor] = None,
-                    attn: bool = False, trim: bool = False, keep_block_inputs: bool = False,
+                    attn: bool = False, trim: Union[bool, int] = False, keep_block_inputs: bool = False,
                     embeddings_as_leaf: bool = False) -> TextFeatures:
         """Encode token ids [B, L]; `replace` [B, L] swaps token embeddings for `mask_token`.
 
         `trim` drops the positions after the batch's last EOS before the tower runs: the tower is causal and
         pools EOS, so `pooled` is unchanged while COCO captions (~15 of 77 tokens) cost a fraction of the
-        compute. Per-token outputs then have the trimmed length. `keep_block_inputs` returns each block's input
+        compute. Per-token outputs then have the trimmed length. `trim=True` measures that length here, a read
+        of a device value (a sync on a GPU); an int is the length measured before the ids moved to the device
+        (at least the last EOS position + 1). `keep_block_inputs` returns each block's input
         (`TextFeatures.block_inputs`, what `encode_text_continuations` starts from). `embeddings_as_leaf` makes
         token embeddings that require no grad (a frozen token embedding, as under LoRA) a leaf that does, so that
         gradient-based attributions can differentiate them and everything after them; no value changes.
         """
-        if trim:
-            length = int(ids.argmax(dim=-1).max()) + 1
+        if trim is not False:
+            length = int(ids.argmax(dim=-1).max()) + 1 if trim is True else int(trim)
             ids = ids[:, :length]
             replace = replace[:, :length] if replace is not None else None
         m = self.model

@@ -29,7 +29,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from core.files import atomic_write_bytes
 
@@ -195,6 +195,22 @@ def open_cache(directory: os.PathLike | str, kind: Type[CacheKind] = ShardedCach
         raise CacheError(f"the {kind.label} at {directory} is incomplete ({manifest['finished_shards']} of "
                          f"{manifest['num_shards']} shards): finish {kind.job}")
     return cache
+
+
+def keyed_caches(cache_root: os.PathLike | str) -> Iterator[Tuple[Path, dict]]:
+    """(directory, stored settings) of every cache under `cache_root` whose name is the key of its settings.json:
+    how a reader finds a cache by settings it knows only in part (a folder renamed or a settings.json edited by
+    hand is not a cache of those settings, so it is passed over)."""
+    root = Path(cache_root)
+    if not root.is_dir():
+        return
+    for directory in sorted(root.iterdir()):
+        try:
+            settings = json.loads((directory / "settings.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(settings, dict) and directory.name == cache_key(settings):
+            yield directory, settings
 
 
 # ----- the offline jobs' shard bookkeeping ------------------------------------------------------------------

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Set, Tuple
 
 import lightning as L
@@ -38,7 +37,7 @@ from datamodules.cache import CacheError
 from datamodules.hard_negatives import (NEIGHBOUR_STREAM, NegativeCaptions, NeighbourCounts, NeighbourTable,
                                         build_neighbour_table, draw_generator, stream_seed)
 from datamodules.masks import CaptionMasks, PatchGeometry
-from datamodules.transforms import CropResize
+from datamodules.transforms import CropResize, seeded_generator, with_generator
 from datamodules.word_vocabulary import WordVocabulary
 from parsers.images import IMAGE_ERRORS, image_shape_problem, read_rgb_file
 
@@ -197,6 +196,8 @@ class CocoCaptions(Dataset):
         self.annotations = os.fspath(annotations)
         self.image_dir = os.fspath(image_dir)
         self.transform = transform
+        # The crop draws from a per-sample generator (datamodules/transforms.py); CropResize takes one itself.
+        self._transform_drawing = with_generator(transform) if mask_records is None else transform
         self.num_hard_negatives = num_hard_negatives
         self.on_bad_image = on_bad_image
         self.geometry = geometry
@@ -236,11 +237,11 @@ class CocoCaptions(Dataset):
         draws = draw_generator(augmentation_seed)  # hard captions and neighbour, apart from the crops
         source, pil_image, neighbour = self._images_or_substitute(index, draws)
         row = self._row(source)
-        with seeded_torch_rng(augmentation_seed):
-            if self.masks is None:
-                sample = {"image": self.transform(pil_image)}
-            else:
-                sample = self._image_and_masks(row, pil_image, np.random.default_rng(augmentation_seed))
+        crops = crop_generator(augmentation_seed)
+        if self.masks is None:
+            sample = {"image": self._transform_drawing(pil_image, crops)}
+        else:
+            sample = self._image_and_masks(row, pil_image, np.random.default_rng(augmentation_seed), crops)
         sample.update(self._caption_fields(row, augmentation_seed, draws))
         sample["bad_image"] = source != index
         if neighbour is not None:
@@ -258,8 +259,9 @@ class CocoCaptions(Dataset):
     def _neighbour_fields(self, row: int, pil_image: Image.Image, seed: Optional[int],
                           draws: np.random.Generator) -> Dict[str, Any]:
         """The neighbour's image (its own crop), its own caption and its own drawn hard captions."""
-        with seeded_torch_rng(seed):
-            pixels = self.transform(pil_image) if self.masks is None else self.transform(pil_image, ())[0]
+        crops = crop_generator(seed)
+        pixels = (self._transform_drawing(pil_image, crops) if self.masks is None
+                  else self._transform_drawing(pil_image, (), crops)[0])
         fields = {"neg_image": pixels, "neg_image_text": self._caption(row, seed)["text"],
                   "neg_image_id": int(self._image_ids[row])}
         if self._negatives is not None:
@@ -426,10 +428,12 @@ class CocoCaptions(Dataset):
         """With patch masks, one pixel per patch of the grid at least; else any image."""
         return self.geometry.grid_size if self.masks is not None else 1
 
-    def _image_and_masks(self, row: int, image: Image.Image, rng: np.random.Generator) -> Dict[str, Any]:
-        """The training crop of the image, the patch mask of one sampled phrase, and the token masks."""
+    def _image_and_masks(self, row: int, image: Image.Image, rng: np.random.Generator,
+                         crops: Optional[torch.Generator]) -> Dict[str, Any]:
+        """The training crop of the image (drawn from `crops`), the patch mask of one sampled phrase, and the token
+        masks."""
         boxes = self.masks.draw_phrase_boxes(row, rng, self.geometry)
-        pixels, crop = self.transform(image, boxes if boxes is not None else ())
+        pixels, crop = self._transform_drawing(image, boxes if boxes is not None else (), crops)
         token_masks = self.masks.sample_token_masks(row, self.context_length)
         patch_mask = self.masks.patch_mask(boxes, crop, rng, self.geometry)
         return {"image": pixels, **{name: torch.from_numpy(mask) for name, mask in token_masks.items()},
@@ -462,16 +466,13 @@ def _check_options(tokenizer: CaptionTokenizer, num_hard_negatives: int, on_bad_
                         f"cannot be counted; use an open_clip SimpleTokenizer")
 
 
+def crop_generator(seed: Optional[int]) -> Optional[torch.Generator]:
+    """The generator of a sample's image crop: seeded by its augmentation seed, its draws those of torch's global
+    generator after `torch.manual_seed(seed)`; None (the global generator, as a plain transform) without a seed."""
+    return None if seed is None else seeded_generator(seed)
+
+
 # ----- loaders ------------------------------------------------------------------------------------------
-@contextmanager
-def seeded_torch_rng(seed: Optional[int]) -> Iterator[None]:
-    """Run the body with torch's CPU RNG seeded by `seed` (restored afterwards); no-op for None."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 class SeededDistributedSampler(DistributedSampler):

@@ -38,7 +38,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import lightning as L
 import numpy as np
@@ -88,9 +88,10 @@ def frozen_image_features(encoders, images: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def frozen_text_features(encoders, ids: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """(tokens [B, L, D] trimmed after the batch's last EOS, lengths [B], global [B, D]) of a `CLIPEncoders`."""
-    features = encoders.encode_text(ids, trim=True)
+def frozen_text_features(encoders, ids: Tensor, trim: Union[bool, int] = True) -> Tuple[Tensor, Tensor, Tensor]:
+    """(tokens [B, L, D] trimmed after the batch's last EOS, lengths [B], global [B, D]) of a `CLIPEncoders`
+    (`trim`: `encode_text`'s, True or the length measured on the host)."""
+    features = encoders.encode_text(ids, trim=trim)
     return features.tokens, caption_lengths(ids), features.pooled
 
 

@@ -2,8 +2,10 @@
 
 Every caption of the configured train/val annotation files is parsed into a scene graph (spaCy), and every
 grounding phrase is grounded in its image (GroundingDINO, ground-truth boxes, or nothing). Results go to a
-sharded cache (datamodules/cache.py) keyed by the annotation file's content, the parser settings and the
-grounder settings; the DataModule reads it and never parses or grounds at training time.
+sharded cache (datamodules/cache.py) keyed by the annotation file's content, the parser settings (with the
+spaCy and model versions) and the grounder settings; the DataModule reads it and never parses or grounds at
+training time, and finds it from the settings stored with it, so training needs no spaCy
+(`find_cache_directory`).
 
 Rerunning skips finished shards, so an interrupted job resumes; `--shard i/n` processes the shards whose
 index is i modulo n, so a SLURM array (or one process per GPU) splits the work without coordination.
@@ -23,8 +25,8 @@ from tqdm import tqdm
 
 from core.cli import add_key_values
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
-from datamodules.cache import (COUNT_KEYS, ShardedCache, add_shard_argument, cache_key, file_sha256, fill_shards,
-                              open_cache, resolve_device, shard_count)
+from datamodules.cache import (COUNT_KEYS, CacheError, ShardedCache, add_shard_argument, cache_key, file_sha256,
+                              fill_shards, keyed_caches, open_cache, resolve_device, shard_count)
 from datamodules.inputs import InputError, check_preprocess_inputs
 from parsers.grounding_inputs import GrounderInputError
 from parsers.scene_graph import Phrase, SceneGraph, SceneGraphParser
@@ -37,6 +39,8 @@ log = logging.getLogger("datamodules.preprocess")
 SPLITS = ("train", "val")
 # Images per grounder call for grounders without a batch size: how often the progress bar moves.
 GROUNDING_CHUNK = 64
+# The parser settings that are the installed spaCy's and model's versions (`SceneGraphParser.settings()`).
+PARSER_VERSIONS = ("model_version", "spacy_version")
 
 
 @dataclass
@@ -73,8 +77,7 @@ def split_sources(data, prep) -> List[SplitSource]:
 def mask_records(data, prep, split: str) -> Dict[int, dict]:
     """The finished cache of one split, by caption id (what the DataModule reads with data.masks=true)."""
     source = next(s for s in split_sources(data, prep) if s.split == split)
-    grounder = make_grounder(data, prep)
-    cache = open_cache(cache_directory(prep.cache_root, cache_settings(source, build_parser(prep), grounder)))
+    cache = open_cache(find_cache_directory(prep.cache_root, source, build_parser(prep), make_grounder(data, prep)))
     return {record["caption_id"]: record for record in cache.read_all()}
 
 
@@ -105,9 +108,10 @@ def make_grounder(data, prep):
     return build_grounder(name, **options)
 
 
-def cache_settings(source: SplitSource, parser: SceneGraphParser, grounder) -> dict:
-    """Everything that changes the cached records of one split (the cache key hashes this)."""
-    settings = {"annotations_sha256": file_sha256(source.annotations), "parser": parser.settings(),
+def cache_settings(source: SplitSource, parser_settings: dict, grounder) -> dict:
+    """Everything that changes the cached records of one split (the cache key hashes this), with the parser's
+    `SceneGraphParser.settings()` (or, to find a cache, its `rule_settings()`)."""
+    settings = {"annotations_sha256": file_sha256(source.annotations), "parser": parser_settings,
                 "grounder": grounder.settings()}
     if source.annotations.suffix == ".json":
         settings["karpathy_splits"] = list(source.karpathy_splits)
@@ -120,6 +124,50 @@ def cache_settings(source: SplitSource, parser: SceneGraphParser, grounder) -> d
 
 def cache_directory(cache_root: str, settings: dict) -> Path:
     return Path(cache_root) / cache_key(settings)
+
+
+def find_cache_directory(cache_root: str, source: SplitSource, parser: SceneGraphParser, grounder) -> Path:
+    """The cache of `source` under these parser and grounder settings, found without importing spaCy.
+
+    The key hashes the spaCy and model versions the job parsed with; a reader (fit, evaluation, the study) need
+    not have spaCy at all. It reads the key back: the caches whose stored settings equal this config's except
+    for those versions. Of several (parsed under different spaCy installs) it takes the one of the installed
+    versions. A cache made under other versions is used when it is the only one: its records are what was parsed.
+    """
+    wanted = normalised(cache_settings(source, parser.rule_settings(), grounder))
+    found = [(directory, stored) for directory, stored in keyed_caches(cache_root)
+             if without_parser_versions(stored) == wanted]
+    installed = parser.installed_versions()
+    exact = [directory for directory, stored in found
+             if installed and all(stored["parser"].get(key) == value for key, value in installed.items())]
+    if exact:
+        return exact[0]  # one at most: equal settings, equal key
+    if len(found) == 1:
+        directory, stored = found[0]
+        log.info("%s: preprocessing cache %s, parsed with spaCy %s (model %s); installed here: %s", source.split,
+                 directory, stored["parser"].get("spacy_version"), stored["parser"].get("model_version"),
+                 installed or "no spaCy")
+        return directory
+    if not found:
+        raise CacheError(f"no preprocessing cache of {source.annotations} under {cache_root} for this config's "
+                         f"parser and grounder settings: run python -m datamodules.preprocess --config <the same "
+                         f"config files and overrides>")
+    made_with = ", ".join(f"{d.name} (spaCy {s['parser'].get('spacy_version')}, model "
+                          f"{s['parser'].get('model_version')})" for d, s in found)
+    raise CacheError(f"{len(found)} preprocessing caches of {source.annotations} under {cache_root} fit this config, "
+                     f"parsed under other spaCy installs than this one ({installed or 'no spaCy'}): {made_with}; "
+                     f"remove all but one")
+
+
+def without_parser_versions(settings: dict) -> dict:
+    """Stored cache settings without the spaCy and model versions of the job that parsed."""
+    parser = {key: value for key, value in settings["parser"].items() if key not in PARSER_VERSIONS}
+    return {**settings, "parser": parser}
+
+
+def normalised(settings: dict) -> dict:
+    """`settings` as settings.json stores it (tuples as lists, other values as the key hashes them)."""
+    return json.loads(json.dumps(settings, default=str))
 
 
 # ----- one shard --------------------------------------------------------------------------------------
@@ -289,7 +337,7 @@ def preprocess_split(cfg, source: SplitSource, parser: SceneGraphParser, grounde
     # in no particular order); the DataModule looks records up by caption id, so the order is free.
     records = sorted(source.records(), key=lambda record: (record.image_id, record.caption_id))
     size = cfg.preprocess.shard_size
-    settings = cache_settings(source, parser, grounder)
+    settings = cache_settings(source, parser.settings(), grounder)
     cache = ShardedCache(cache_directory(cfg.preprocess.cache_root, settings), shard_count(len(records), size))
     todo = cache.unfinished(shard)
     log.info("%s: %d captions, %d shards, %d to do here, cache %s", source.split, len(records), cache.num_shards,

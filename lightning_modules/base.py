@@ -3,15 +3,19 @@
 A method subclasses `CompositionalCLIPModule` and overrides `compute_terms(batch)`, returning
 `(terms, report)`: `terms` are named scalar tensors, and those whose names end in `_loss` are summed into the
 objective; `report` holds scalars to log only. Everything else (groups, warmup + cosine, logit-scale clamp,
-non-finite guard, logging with `sync_dist=True`, the encoding of NegCLIP's hard-negative captions) lives here so
-methods stay small.
+non-finite guard, logging, the encoding of NegCLIP's hard-negative captions) lives here so methods stay small.
+
+The training step reads no value back from the device: the finiteness guard is kept on the device and read on
+logging steps, metrics are averaged over ranks on logging steps only (the steps Lightning writes), and how far
+each caption batch runs through the text tower is measured on the host before the batch moves
+(`on_before_batch_transfer`, `trim_length`).
 """
 from __future__ import annotations
 
 import logging
 import math
 from abc import ABC, abstractmethod
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import lightning as L
 import torch
@@ -34,6 +38,19 @@ HARD_NEGATIVE_HINTS = {
     "neg_text": "set method.hard_negatives.captions > 0 and use annotations with neg_captions",
     "neg_image": "the training split needs the NegCLIP TSV with method.hard_negatives.images=true",
     "neg_image_neg_text": "set method.hard_negatives.captions > 0 with method.hard_negatives.images=true"}
+
+
+# Batch entries of token ids [..., L]; the text tower runs them up to their batch's last EOS.
+TOKEN_ENTRIES = ("text", "neg_text", "neg_image_text", "neg_image_neg_text")
+# The batch entry (a dict of ints, which stay on the host) of the lengths measured before the batch moved.
+HOST_LENGTHS = "host_lengths"
+
+
+def token_lengths(batch: dict) -> Dict[str, int]:
+    """Positions up to the last EOS of each token-id entry of a host batch (open_clip's EOS has the largest id):
+    the length `CLIPEncoders.encode_text(trim=True)` would measure on the device."""
+    return {key: int(batch[key].argmax(dim=-1).max()) + 1 for key in TOKEN_ENTRIES
+            if isinstance(batch.get(key), Tensor) and not batch[key].is_floating_point() and batch[key].numel()}
 
 
 def required_entry(batch: dict, key: str) -> Tensor:
@@ -155,8 +172,27 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         captions: NegCLIP's extra image-to-text columns. The text forward is trimmed after the last EOS, which
         leaves the pooled EOS feature unchanged (the tower is causal)."""
         ids = self.hard_negative_ids(batch, neighbours)
-        pooled = self.encoders.encode_text(ids.flatten(0, 1), trim=True).pooled
+        keys = ("neg_text", "neg_image_neg_text") if neighbours else ("neg_text",)
+        pooled = self.encoders.encode_text(ids.flatten(0, 1), trim=self.trim_length(batch, *keys)).pooled
         return F.normalize(pooled, dim=-1).view(*ids.shape[:2], -1)
+
+    # ----- host-side work on a batch, before it moves to the device ---------------------------------------
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Measure on the host what would cost a device sync later (`host_work`), into the batch."""
+        if isinstance(batch, dict):
+            batch.update(self.host_work(batch))
+        return batch
+
+    def host_work(self, batch: dict) -> Dict[str, Any]:
+        """Entries to add to a host batch; methods extend it. Here: `HOST_LENGTHS`, the caption lengths."""
+        return {HOST_LENGTHS: token_lengths(batch)}
+
+    @staticmethod
+    def trim_length(batch: dict, *keys: str) -> Union[bool, int]:
+        """`encode_text`'s `trim` for the token ids of `keys` (concatenated): the longest of their lengths measured
+        on the host, or True (measure on the device) for a batch that did not come through a Trainer."""
+        lengths = batch.get(HOST_LENGTHS, {})
+        return max(lengths[key] for key in keys) if all(key in lengths for key in keys) else True
 
     # ----- the one hook a method overrides -------------------------------------------------------------
     @abstractmethod
@@ -170,8 +206,8 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         self._watch_finite(loss, terms)
         self._log_scalars("train", {"loss": loss, **terms, **report}, batch)
         # Counts add up over ranks (the scalars above are means over ranks).
-        self.log_dict(self._data_counts(batch), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="sum",
-                      batch_size=len(batch["text"]))
+        counts = self.over_ranks(self._data_counts(batch), "sum")
+        self.log_dict(counts, on_step=True, on_epoch=False, reduce_fx="sum", batch_size=len(batch["text"]))
         self.log("train/logit_scale", self.clip.logit_scale.exp().detach(), batch_size=len(batch["text"]))
         return loss
 
@@ -182,11 +218,31 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
     def _log_scalars(self, stage: str, scalars: Terms, batch: dict) -> None:
         on_step = stage == "train"
         values = {f"{stage}/{name}": value.detach().float() for name, value in scalars.items()}
-        options = dict(on_step=on_step, on_epoch=not on_step, sync_dist=True, batch_size=len(batch["text"]))
+        # Training values are per step, averaged over ranks here; validation's over the epoch, by Lightning at its end.
+        values = self.over_ranks(values, "mean") if on_step else values
+        options = dict(on_step=on_step, on_epoch=not on_step, sync_dist=not on_step, batch_size=len(batch["text"]))
         # The objective is what a researcher watches: it also goes to the progress bar (train/loss per step,
         # val/loss after each validation); the other terms go to TensorBoard only.
         self.log(f"{stage}/loss", values.pop(f"{stage}/loss"), prog_bar=True, **options)
         self.log_dict(values, **options)
+
+    def over_ranks(self, values: Terms, reduce_op: str) -> Terms:
+        """Per-step scalars reduced over ranks ("mean" or "sum"), in one all-reduce, on the steps Lightning writes
+        (`logs_this_step`); on the others they stay this rank's own: nothing but the progress bar reads them.
+        (`self.log(sync_dist=True)` would all-reduce each scalar at every step, about 15 collectives per step.)"""
+        trainer = self._trainer
+        if not values or trainer is None or trainer.world_size == 1 or not self.logs_this_step():
+            return values
+        reduced = trainer.strategy.reduce(torch.stack(list(values.values())), reduce_op=reduce_op)
+        return dict(zip(values, reduced.unbind()))
+
+    def logs_this_step(self) -> bool:
+        """Whether Lightning writes this training step's values: its `log_every_n_steps` rule (step + 1 divisible
+        by it), every step in a fast_dev_run. A function of the step alone, so every rank makes the same
+        collectives."""
+        trainer = self.trainer
+        every = trainer.log_every_n_steps
+        return bool(trainer.fast_dev_run) or (every > 0 and (self.global_step + 1) % every == 0)
 
     @staticmethod
     def _data_counts(batch: dict) -> Terms:
@@ -200,7 +256,8 @@ class CompositionalCLIPModule(L.LightningModule, ABC):
         export, so a diverged step is found within `log_every_n_steps` steps and never saved.
         """
         new = ~torch.isfinite(loss.detach()) & (self._first_bad_step < 0)
-        step = torch.tensor(self.global_step, device=new.device)
+        # A fill, not torch.tensor(step, device=...): a blocking host-to-device copy waits for the device.
+        step = torch.full((), self.global_step, dtype=torch.long, device=new.device)
         self._first_bad_step = torch.where(new, step, self._first_bad_step.to(new.device))
         for name, value in terms.items():
             kept = self._bad_terms.get(name, torch.full((), float("nan"), device=new.device))

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from core.cli import AUTO, PRECISIONS, add_key_values, precision_problem
-from core.config import ConfigError, save_config
+from core.config import ConfigError, save_config, uses_gpu
 from core.encoders import model_config
 from datamodules.coco import CocoDataModule
 from datamodules.inputs import InputError, data_input_problems, raise_if_any
@@ -186,11 +186,12 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     return str(chosen) if chosen is not None else None
 
 
-def resolve_precision(precision: str) -> str:
-    """"auto": bf16-mixed on GPUs (logits and losses stay fp32 inside the losses), 32-true on the CPU."""
+def resolve_precision(precision: str, accelerator: str = "auto") -> str:
+    """"auto": bf16-mixed when the run trains on a GPU (logits and losses stay fp32 inside the losses), 32-true on
+    the CPU (also on a machine that has a GPU, with trainer.accelerator=cpu)."""
     if precision != "auto":
         return precision
-    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+    return "bf16-mixed" if uses_gpu(accelerator) else "32-true"
 
 
 def has_validation(cfg: DictConfig) -> bool:
@@ -269,7 +270,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, extra_callbacks: Sequence[L.Ca
     return L.Trainer(
         default_root_dir=str(run_dir), logger=logger, callbacks=callbacks, fast_dev_run=t.fast_dev_run,
         enable_checkpointing=enable_checkpointing,
-        max_steps=t.max_steps, max_epochs=t.max_epochs, precision=resolve_precision(t.precision),
+        max_steps=t.max_steps, max_epochs=t.max_epochs, precision=resolve_precision(t.precision, t.accelerator),
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         accumulate_grad_batches=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
         check_val_every_n_epoch=t.check_val_every_n_epoch, num_sanity_val_steps=t.num_sanity_val_steps,

@@ -323,10 +323,8 @@ def splice_words(ids: Tensor, groups: Tensor, sample: Tensor, word: Tensor, repl
     inserted = replacement.gather(1, offset.clamp(0, replacement.shape[1] - 1))
     spliced = torch.where(in_replacement, inserted, original)
     spliced = torch.where(position < new_length.unsqueeze(1), spliced, torch.zeros_like(spliced))
-    too_long = new_length > max_length
-    if too_long.any():
-        eos_id = ids[sample, eos]
-        spliced[too_long, max_length - 1] = eos_id[too_long]
+    if width == max_length:  # only then can a result be too long; its last kept position becomes EOS
+        spliced[:, -1] = torch.where(new_length > max_length, ids[sample, eos], spliced[:, -1])
     return spliced
 
 

@@ -163,8 +163,8 @@ def cae_batch_attribution_loss(attribution: Tensor, obj_mask: Tensor, comp_mask:
             dist.all_reduce(counts)
         attr_obj, attr_comp = sums / counts.clamp(min=1)
         hinge = (attr_obj - attr_comp + margin).clamp(min=0)
-        present = bool((counts > 0).all())
-        return (hinge if present else hinge * 0.0), attr_obj, attr_comp
+        present = (counts > 0).all()  # decided on the device: reading it back would wait for the step
+        return torch.where(present, hinge, hinge * 0.0), attr_obj, attr_comp
 
 
 # ----- MACCO-CLIP (docs/methods.md#macco-losses) -----------------------------------------------------------

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
@@ -984,9 +985,28 @@ class SceneGraphParser:
         return graphs
 
     def settings(self) -> dict:
-        """Everything that changes the output, for cache keys (does not load the model)."""
+        """Everything that changes the output, for cache keys (does not load the model): the rules
+        (`rule_settings`) and the installed spaCy and model versions. Only a job that parses calls this; a cache
+        stores it, so a reader finds the cache by `rule_settings` without spaCy (see datamodules/preprocess.py)."""
         import spacy
 
-        return {"parser_version": PARSER_VERSION, "model": self.model,
-                "model_version": spacy.util.get_package_version(self.model),
-                "spacy_version": spacy.__version__, "excluded_pipes": list(EXCLUDED_PIPES)}
+        return {**self.rule_settings(), "model_version": spacy.util.get_package_version(self.model),
+                "spacy_version": spacy.__version__}
+
+    def rule_settings(self) -> dict:
+        """The settings that the config and this module decide, known without spaCy installed."""
+        return {"parser_version": PARSER_VERSION, "model": self.model, "excluded_pipes": list(EXCLUDED_PIPES)}
+
+    def installed_versions(self) -> dict:
+        """`settings()`'s spaCy and model versions from the packages' metadata, without importing spaCy; {} when
+        spaCy is not installed (the model's version is None when it is not an installed package, as in
+        `settings()`)."""
+        try:
+            spacy_version = importlib.metadata.version("spacy")
+        except importlib.metadata.PackageNotFoundError:
+            return {}
+        try:
+            model_version = importlib.metadata.version(self.model)
+        except importlib.metadata.PackageNotFoundError:
+            model_version = None
+        return {"model_version": model_version, "spacy_version": spacy_version}

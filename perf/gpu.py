@@ -1,26 +1,32 @@
-"""`python -m perf.gpu`: the GPU check, one command that times every method and the offline throughputs on one GPU.
+"""`python -m perf.gpu`: the throughput table of the GPU check, every method and the offline jobs timed on one GPU.
 
     python -m perf.gpu [--out runs/perf_gpu] [--peak-tflops T] [--budget-s 420]
     python -m perf.gpu --cpu-smoke      # the same code paths on the CPU at tiny settings (the test suite runs it)
 
-It writes one JSON document and one Markdown table (`--out PATH`: PATH.json and PATH.md). Sections run under
-time budgets, so the whole check stays within `--budget-s` (default 7 minutes); a row or section that fails (out
-of memory, an op without CUDA support) is recorded with its error and the rest still runs. `--no-budget` runs
-every row and section in full, whatever the time (the tests: what they check must not depend on how fast the
-machine is).
+It writes one JSON document and one Markdown table (`--out PATH`: PATH.json and PATH.md), rewritten after every
+row and section, so a run killed part-way leaves what it finished. Sections run under time budgets, so the whole
+check stays within `--budget-s` (default 7 minutes); a row or section that fails (out of memory, an op without
+CUDA support) is recorded with its error and the rest still runs. `--no-budget` runs every row and section in
+full, whatever the time (the tests: what they check must not depend on how fast the machine is). The budget is
+the tool's own pacing; `python -m perf.gpu_check` runs it as one stage under a hard timeout.
 
 training    every row is a `perf.step` variant, built and stepped by `perf.step.Variant` (the same model builder,
             batch and step as `python -m perf.step`: CUDA synchronised around each step, timed with
             time.perf_counter): bf16-mixed (autocast bf16 over fp32 weights, as Lightning's "bf16-mixed") at
-            ViT-B/32 with random weights, global batch 256 on one GPU; a row `name@B` runs the variant at batch B.
+            ViT-B/32 with random weights, global batch 256 on one GPU; a row `name@B` runs the variant at batch B,
+            `name+P` in precision P (Lightning's names, or `tf32`: 32-true with TF32 tensor-core matrix products).
+            Each batch is prepared as the Trainer prepares it (`on_before_batch_transfer`), so the step reads
+            nothing back from the device that training does not.
             The first warm-up step also checks that the loss and every gradient are finite (for the
             gradient-based CAE attributions this is their double backward). Then up to `--steps` timed steps:
             samples/s of the median step; peak memory = torch.cuda.max_memory_allocated, reset per method (and
             by `Variant` at each step's forward; every step is alike, so the last step's peak is the method's:
-            weights, AdamW state and activations). For CLIP-FT the FLOPs of one training step are counted by
+            weights, AdamW state and activations). For every row the FLOPs of one training step are counted by
             torch.utils.flop_counter.FlopCounterMode (forward and backward: matrix products, convolutions and the
             attention kernels it has formulas for; the optimizer's element-wise work is not counted), and the
-            model FLOP utilisation is FLOPs / median step time / the device's dense bf16 peak.
+            model FLOP utilisation is FLOPs / median step time / the device's dense peak in the row's precision
+            (bf16 and fp16: the bf16 peak; tf32: half of it, the tensor cores' TF32 rate on Ampere, Ada and
+            Hopper; plain fp32 has no tensor-core peak and is given against the measured fp32 matmul only).
 grounding   GroundingDINO as the preprocessing job runs it (`parsers.grounding`, fp32, one prompt per phrase) at
             800 px on generated 640x480 images with 4 phrases each, random detector weights (as
             `preprocess.allow_random_detector`) and a random BERT-base (speed does not depend on the weights):
@@ -29,9 +35,10 @@ evaluation  our harness (`evaluation.harness.run_benchmark` with a `ClipScorer`,
             CLI's default) on generated stand-in data (`perf.evaluate.write_standin`): items/s.
 
 The device section gives the GPU's name, its dense bf16 peak (BF16_PEAK_TFLOPS, from vendor datasheets, or
-`--peak-tflops`; the output says which) and the rate of a bf16 matrix product measured here (the achievable
-ceiling; the MFU is given against it too). The GPU machine's image has no spaCy: the training batch's caption
-records are written beforehand where spaCy is (`--write-records --out FILE`, see docs/gpu.md).
+`--peak-tflops`; the output says which) and the rates of bf16, tf32 and fp32 matrix products measured here (the
+achievable ceilings; each row's MFU is given against its precision's too). The GPU machine's image has no spaCy:
+the training batch's caption records are written beforehand where spaCy is (`--write-records --out FILE`;
+`make gpu-prepare` writes them, see docs/gpu.md).
 A benchmark, not a test.
 """
 from __future__ import annotations
@@ -47,13 +54,15 @@ import re
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from core.cli import add_output, output_paths, refuse_renamed
+from core.files import atomic_write_text
 from perf import step
 
 SCHEMA = "perf_gpu/1"
@@ -77,17 +86,26 @@ BF16_PEAK_TFLOPS: Tuple[Tuple[str, str, float], ...] = (
 )
 # The methods first (paper configurations), then our options; `name@B` runs perf.step's `name` at batch B.
 # tflocal@64 is the TFLocal recipe's batch: its full 256 x 256 grid is 65,536 aligner sequences per step.
-LEAD_ROWS = ("clip_ft", "negclip", "cae_attention", "cae_gradcam", "cae_perturbation", "cae_gradient",
-             "cae_grad_eclip", "macco", "smartclip", "tflocal", "tflocal@64", "tflocal_hard16", "tfglobal")
+# CLIP-FT also in TF32 and plain fp32, against bf16-mixed (`+PRECISION` rows).
+LEAD_ROWS = ("clip_ft", "clip_ft+tf32", "clip_ft+32-true", "negclip", "cae_attention", "cae_gradcam",
+             "cae_perturbation", "cae_gradient", "cae_grad_eclip", "macco", "smartclip", "tflocal", "tflocal@64",
+             "tflocal_hard16", "tfglobal")
 DEFAULT_ROWS = LEAD_ROWS + tuple(name for name in step.VARIANTS if name not in LEAD_ROWS)
-MFU_ROWS = ("clip_ft",)
+# --methods may name these groups of rows.
+ROW_GROUPS = {"lead": LEAD_ROWS, "all": DEFAULT_ROWS}
+# A row's precision after `+`: Lightning's names perf.step runs, and TF32 (32-true with TF32 matrix products).
+TF32 = "tf32"
+ROW_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", TF32)
+# The dense tensor-core peak of a precision as a fraction of the bf16 peak (None: no tensor-core peak, fp32).
+PEAK_OF_BF16 = {"bf16-mixed": 1.0, "16-mixed": 1.0, TF32: 0.5, "32-true": None}
 DOUBLE_BACKWARD = ("=gradcam", "=gradient", "=grad_eclip")  # attributions differentiated inside the loss
 # The phrases every generated image is grounded with (COCO-like relation / attribute phrases).
 GROUNDING_PHRASES = ("a man riding a horse", "a red umbrella", "a dog lying on the grass", "two people on a bench")
-TRAINING_KEYS = ("method", "variant", "batch_size", "status", "error", "samples_per_s", "median_step_s",
+TRAINING_KEYS = ("method", "variant", "batch_size", "precision", "status", "error", "samples_per_s", "median_step_s",
                  "step_times_s", "timed_steps", "warmup_steps", "peak_memory_gib", "memory_kind", "loss",
                  "loss_finite", "grads_finite", "parameters_with_grad", "trainable_parameters", "double_backward",
-                 "setup_s", "flops_per_step", "flops_by_op", "achieved_tflops", "mfu", "mfu_of_matmul")
+                 "setup_s", "flops_per_step", "flops_by_op", "achieved_tflops", "peak_tflops", "mfu",
+                 "mfu_of_matmul")
 
 
 @dataclass(frozen=True)
@@ -133,9 +151,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "on the CPU: the same code paths, for tests")
     add_output(parser, "formats", help=f"the JSON document and the Markdown table, each with its own suffix "
                f"(default {DEFAULT_OUT}.json and {DEFAULT_OUT}.md); with --write-records, the records' JSON")
-    parser.add_argument("--methods", help=f"comma list of perf.step variants, each optionally name@BATCH (default: "
-                                          f"every variant; with --cpu-smoke {','.join(LEAD_ROWS)}); known: "
-                                          f"{', '.join(step.VARIANTS)}")
+    parser.add_argument("--methods", help=f"comma list of rows: perf.step variants, each optionally name@BATCH and "
+                                          f"+PRECISION ({', '.join(ROW_PRECISIONS)}), or the groups lead (the "
+                                          f"methods' paper configurations: {','.join(LEAD_ROWS)}) and all (default: "
+                                          f"all; with --cpu-smoke lead); variants: {', '.join(step.VARIANTS)}")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (overrides the table)")
     budget = parser.add_mutually_exclusive_group()
@@ -171,19 +190,33 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def matmul_tflops(device: str, size: int, repeats: int = 10) -> float:
-    """Rate of a size^3 bf16 matrix product on random data (3 warm-ups, the mean of `repeats` timed products)."""
+def matmul_tflops(device: str, size: int, repeats: int = 10, precision: str = "bf16-mixed") -> float:
+    """Rate of a size^3 matrix product on random data in `precision` (bf16 and fp16 operands, fp32 with or
+    without TF32): 3 warm-ups, the mean of `repeats` timed products."""
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, torch.float32)
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
-    for _ in range(3):
-        a @ b
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    synchronize(device)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    with tf32_matmuls(precision == TF32):
+        for _ in range(3):
+            a @ b
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        synchronize(device)
     return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """fp32 matrix products and convolutions on TF32 tensor cores while `enabled` (torch's settings restored)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def device_info(device: str, peak_override: Optional[float], matmul_size: int) -> dict:
@@ -198,7 +231,21 @@ def device_info(device: str, peak_override: Optional[float], matmul_size: int) -
     peak, source = bf16_peak(name, peak_override)
     return {"kind": device.split(":")[0], "name": name, **details, "torch": torch.__version__,
             "python": platform.python_version(), "bf16_peak_tflops": peak, "peak_source": source,
-            "matmul_size": matmul_size, "matmul_bf16_tflops": matmul_tflops(device, matmul_size)}
+            "matmul_size": matmul_size, "matmul_bf16_tflops": matmul_tflops(device, matmul_size),
+            "matmul_tf32_tflops": matmul_tflops(device, matmul_size, precision=TF32),
+            "matmul_fp32_tflops": matmul_tflops(device, matmul_size, precision="32-true")}
+
+
+def peak_of(device: dict, precision: str) -> Optional[float]:
+    """The device's dense tensor-core peak in `precision` (TFLOP/s), from its bf16 peak; None for plain fp32."""
+    fraction, bf16 = PEAK_OF_BF16[precision], device["bf16_peak_tflops"]
+    return None if fraction is None or bf16 is None else fraction * bf16
+
+
+def measured_matmul(device: dict, precision: str) -> Optional[float]:
+    key = {"bf16-mixed": "matmul_bf16_tflops", "16-mixed": "matmul_bf16_tflops", TF32: "matmul_tf32_tflops",
+           "32-true": "matmul_fp32_tflops"}[precision]
+    return device.get(key)
 
 
 # ----- time budgets -------------------------------------------------------------------------------------------
@@ -226,19 +273,25 @@ def release_memory(device: str) -> None:
 
 
 # ----- training -----------------------------------------------------------------------------------------------
-def parse_row(label: str, batch_size: int, fixed_batch: bool) -> Tuple[str, int]:
-    """(perf.step variant, batch) of a row label `name` or `name@B`; `fixed_batch` ignores B (the CPU mode)."""
-    name, _, batch = label.partition("@")
+def parse_row(label: str, batch_size: int, fixed_batch: bool, precision: str = "bf16-mixed"
+              ) -> Tuple[str, int, str]:
+    """(perf.step variant, batch, precision) of a row label `name[@B][+P]`; `fixed_batch` ignores B (the CPU
+    mode); P defaults to `precision`."""
+    name_and_batch, _, row_precision = label.partition("+")
+    name, _, batch = name_and_batch.partition("@")
     if name not in step.VARIANTS:
         raise SystemExit(f"unknown perf.step variant {name!r} in --methods; known: {sorted(step.VARIANTS)}")
     if batch and not batch.isdigit():
         raise SystemExit(f"--methods row {label!r}: the batch after @ must be a positive integer")
-    return name, batch_size if fixed_batch or not batch else int(batch)
+    if row_precision and row_precision not in ROW_PRECISIONS:
+        raise SystemExit(f"--methods row {label!r}: the precision after + is one of {', '.join(ROW_PRECISIONS)}")
+    return name, batch_size if fixed_batch or not batch else int(batch), row_precision or precision
 
 
-def empty_row(label: str, name: str, batch_size: int) -> dict:
+def empty_row(label: str, name: str, batch_size: int, precision: str) -> dict:
     row = dict.fromkeys(TRAINING_KEYS)
-    row.update(method=label, variant=name, batch_size=batch_size, status="skipped", step_times_s=[], timed_steps=0,
+    row.update(method=label, variant=name, batch_size=batch_size, precision=precision, status="skipped",
+               step_times_s=[], timed_steps=0,
                double_backward=any(o.endswith(DOUBLE_BACKWARD) for o in step.VARIANTS[name]))
     return row
 
@@ -281,8 +334,8 @@ def add_rates(row: dict, variant: step.Variant, device: dict) -> None:
                samples_per_s=row["batch_size"] / median)
     if row["flops_per_step"]:
         achieved = row["flops_per_step"] / median / 1e12
-        peak, matmul = device["bf16_peak_tflops"], device["matmul_bf16_tflops"]
-        row.update(achieved_tflops=achieved, mfu=achieved / peak if peak else None,
+        peak, matmul = peak_of(device, row["precision"]), measured_matmul(device, row["precision"])
+        row.update(achieved_tflops=achieved, peak_tflops=peak, mfu=achieved / peak if peak else None,
                    mfu_of_matmul=achieved / matmul if matmul else None)
 
 
@@ -296,17 +349,18 @@ def peak_memory(variant: step.Variant, device: str) -> Tuple[float, str]:
 def run_variant(row: dict, settings: Settings, device: dict, deadline: float) -> None:
     """Build, check, warm up and time one row in place (exceptions propagate to `training_row`)."""
     kind = device["kind"]
+    precision = "32-true" if row["precision"] == TF32 else row["precision"]
     args = argparse.Namespace(model=settings.model, batch_size=row["batch_size"], device=kind,
-                              precision=settings.precision, overrides=[])
+                              precision=precision, overrides=[])
     start = time.perf_counter()
-    variant = step.Variant(row["variant"], args)
-    row.update(checked_step(variant))
-    for _ in range(settings.warmup - 1):
-        variant.step(timed=False)
-    if row["method"] in MFU_ROWS:
+    with tf32_matmuls(row["precision"] == TF32):
+        variant = step.Variant(row["variant"], args)
+        row.update(checked_step(variant))
+        for _ in range(settings.warmup - 1):
+            variant.step(timed=False)
         row["flops_per_step"], row["flops_by_op"] = step_flops(variant)
-    row["setup_s"] = time.perf_counter() - start
-    timed_steps(variant, settings.steps, deadline)
+        row["setup_s"] = time.perf_counter() - start
+        timed_steps(variant, settings.steps, deadline)
     row["peak_memory_gib"], row["memory_kind"] = peak_memory(variant, kind)
     add_rates(row, variant, device)
     finite = row["loss_finite"] and row["grads_finite"]
@@ -315,8 +369,8 @@ def run_variant(row: dict, settings: Settings, device: dict, deadline: float) ->
 
 
 def training_row(label: str, settings: Settings, device: dict, deadline: float, fixed_batch: bool) -> dict:
-    name, batch_size = parse_row(label, settings.batch_size, fixed_batch)
-    row = empty_row(label, name, batch_size)
+    name, batch_size, precision = parse_row(label, settings.batch_size, fixed_batch, settings.precision)
+    row = empty_row(label, name, batch_size, precision)
     if deadline - time.perf_counter() <= 0:
         row["error"] = "time budget spent"
         return row
@@ -332,15 +386,18 @@ def training_row(label: str, settings: Settings, device: dict, deadline: float, 
 
 
 def training_section(rows: Sequence[str], settings: Settings, device: dict, budget_s: float,
-                     fixed_batch: bool) -> Dict[str, dict]:
+                     fixed_batch: bool, finished: Callable[[Dict[str, dict]], None] = lambda rows: None
+                     ) -> Dict[str, dict]:
     """Every row under its share of the section's budget: up to twice an even split of what is left, so a slow
-    row early on can use what the fast ones leave (most rows take a fraction of their share)."""
+    row early on can use what the fast ones leave (most rows take a fraction of their share). `finished` gets
+    the rows so far after each one."""
     section = Budget(budget_s)
-    results = {}
+    results: Dict[str, dict] = {}
     for index, label in enumerate(rows):
         share = min(max(section.left(), 0.0), 2 * max(section.left(), 0.0) / (len(rows) - index))
         results[label] = training_row(label, settings, device, time.perf_counter() + share, fixed_batch)
         print(training_line(results[label]), flush=True)
+        finished(results)
     return results
 
 
@@ -486,8 +543,15 @@ def section_share(settings: Settings, cap_s: float, left_s: float) -> float:
     return math.inf if settings.budget_s is None else min(cap_s, left_s)
 
 
-def run_sections(args: argparse.Namespace, settings: Settings, sections: Sequence[str], rows: Sequence[str]) -> dict:
+def run_sections(args: argparse.Namespace, settings: Settings, sections: Sequence[str], rows: Sequence[str],
+                 save: Callable[[dict], None] = lambda result: None) -> dict:
+    """Every section in turn; `save` gets the result so far after each training row and each section (with
+    `elapsed_s` up to then)."""
     start = time.perf_counter()
+
+    def saved(result: dict) -> None:
+        save({**result, "elapsed_s": time.perf_counter() - start})
+
     budget = Budget(settings.budget_s)
     kind = "cpu" if args.cpu_smoke else "cuda"
     device = device_info(kind, args.peak_tflops, settings.matmul_size)
@@ -495,16 +559,20 @@ def run_sections(args: argparse.Namespace, settings: Settings, sections: Sequenc
           f"measured {device['matmul_bf16_tflops']:.1f} TFLOP/s", flush=True)
     result = {"schema": SCHEMA, "mode": "cpu_smoke" if args.cpu_smoke else "gpu", "device": device,
               "settings": {**settings.__dict__, "sections": list(sections)}}
+    saved(result)
     later = {"grounding": settings.grounding_budget_s, "evaluation": settings.evaluation_budget_s}
     with tempfile.TemporaryDirectory(prefix="perf_gpu_") as tmp:
         if "training" in sections:
             reserved = sum(later[name] for name in sections if name in later)
-            result["training"] = training_section(rows, settings, device, budget.left() - reserved, args.cpu_smoke)
+            result["training"] = training_section(rows, settings, device, budget.left() - reserved, args.cpu_smoke,
+                                                  lambda rows_so_far: saved({**result, "training": rows_so_far}))
+            saved(result)
         if "grounding" in sections:
             share = section_share(settings, settings.grounding_budget_s,
                                   budget.left() - later["evaluation"] * ("evaluation" in sections))
             result["grounding"] = budgeted(share, lambda: grounding_section(settings, kind, share,
                                                                              Path(tmp) / "grounding"))
+            saved(result)
         if "evaluation" in sections:
             share = section_share(settings, settings.evaluation_budget_s, budget.left())
             result["evaluation"] = budgeted(share, lambda: evaluation_section(settings, kind, share,
@@ -529,19 +597,25 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     overrides = {"budget_s": args.budget_s, "steps": args.steps}
     settings = Settings(**{**settings.__dict__, **{k: v for k, v in overrides.items() if v is not None},
                            **({"budget_s": None} if args.no_budget else {})})
-    rows = [label.strip() for label in (args.methods or ",".join(LEAD_ROWS if args.cpu_smoke else DEFAULT_ROWS)
-                                         ).split(",") if label.strip()]
+    given = args.methods or ("lead" if args.cpu_smoke else "all")
+    rows = [row for label in given.split(",") if label.strip()
+            for row in ROW_GROUPS.get(label.strip(), (label.strip(),))]
     for label in rows:
         parse_row(label, settings.batch_size, args.cpu_smoke)  # a bad name fails before any work
     if args.records is not None:
         use_records(args.records)
-    result = run_sections(args, settings, sections, rows)
     paths = output_paths(args.out or DEFAULT_OUT, [".json", ".md"])
-    for path, text in ((paths[".json"], json.dumps(result, indent=2)), (paths[".md"], markdown_report(result))):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    result = run_sections(args, settings, sections, rows, lambda so_far: write_result(so_far, paths))
+    write_result(result, paths)
     print(f"\n{markdown_report(result)}\nwrote {paths['.json']} and {paths['.md']}", flush=True)
     return result
+
+
+def write_result(result: dict, paths: Dict[str, Path]) -> None:
+    """The JSON document and the Markdown table of `result` (so far), each replaced whole (atomically)."""
+    paths[".json"].parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(paths[".json"], json.dumps(result, indent=2))
+    atomic_write_text(paths[".md"], markdown_report(result))
 
 
 # ----- the Markdown table -------------------------------------------------------------------------------------
@@ -562,7 +636,8 @@ def markdown_report(result: dict) -> str:
     lines = [f"# GPU check (`python -m perf.gpu`, mode {result['mode']})", "",
              f"Device: {device['name']} ({device['kind']}), torch {device['torch']}. Dense bf16 peak: "
              f"{number(device['bf16_peak_tflops'], '.1f')} TFLOP/s ({device['peak_source']}); a "
-             f"{device['matmul_size']}^3 bf16 matrix product measured {device['matmul_bf16_tflops']:.1f} TFLOP/s. "
+             f"{device['matmul_size']}^3 matrix product measured {device['matmul_bf16_tflops']:.1f} TFLOP/s in bf16, "
+             f"{device['matmul_tf32_tflops']:.1f} in tf32, {device['matmul_fp32_tflops']:.1f} in fp32. "
              f"Whole check {result['elapsed_s']:.0f} s {budget_text(result['settings']['budget_s'])}.", ""]
     for name, section in (("training", training_table), ("grounding", grounding_table),
                           ("evaluation", evaluation_table)):
@@ -573,25 +648,26 @@ def markdown_report(result: dict) -> str:
 
 def training_table(result: dict) -> List[str]:
     s = result["settings"]
-    lines = [f"## Training: {s['model']}, random weights, precision {s['precision']} (autocast over fp32 weights), "
-             f"median of up to {s['steps']} timed steps after {s['warmup']} warm-up", "",
-             "| method | batch | status | samples/s | step (ms) | peak memory (GiB) | MFU | notes |",
-             "|---|---:|---|---:|---:|---:|---:|---|"]
-    for row in result["training"].values():
+    lines = [f"## Training: {s['model']}, random weights, precision {s['precision']} unless the row says (bf16-mixed: "
+             f"autocast over fp32 weights), median of up to {s['steps']} timed steps after {s['warmup']} warm-up", "",
+             "MFU: FLOPs of a step (FlopCounterMode) / median step time / the dense peak of the row's precision; "
+             "of matmul: / the rate of a matrix product in that precision measured here.", "",
+             "| method | batch | precision | status | samples/s | step (ms) | peak memory (GiB) | GFLOP/step | "
+             "TFLOP/s | MFU | of matmul | notes |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in result.get("training", {}).values():
         notes = [row["error"]] if row["error"] else []
         if row["timed_steps"] and row["timed_steps"] < s["steps"]:
             notes.append(f"{row['timed_steps']} timed steps (budget)")
         if row["double_backward"] and row["grads_finite"]:
             notes.append("double backward ran, gradients finite")
-        if row["flops_per_step"]:
-            notes.append(f"{row['flops_per_step'] / 1e9:,.1f} GFLOP per step (FlopCounterMode), "
-                         f"{row['achieved_tflops']:.3g} TFLOP/s, {number(row['mfu_of_matmul'], '.1%')} of the "
-                         f"measured matmul rate")
         step_ms = row["median_step_s"] and 1000 * row["median_step_s"]
-        lines.append(f"| {row['method']} | {row['batch_size']} | {row['status']} | "
+        gflop = row["flops_per_step"] and row["flops_per_step"] / 1e9
+        lines.append(f"| {row['method']} | {row['batch_size']} | {row['precision']} | {row['status']} | "
                      f"{number(row['samples_per_s'], '.1f')} | {number(step_ms, '.1f')} | "
-                     f"{number(row['peak_memory_gib'], '.2f')} | {number(row['mfu'], '.1%')} | "
-                     f"{cell('; '.join(notes))} |")
+                     f"{number(row['peak_memory_gib'], '.2f')} | {number(gflop, ',.1f')} | "
+                     f"{number(row['achieved_tflops'], '.3g')} | {number(row['mfu'], '.1%')} | "
+                     f"{number(row['mfu_of_matmul'], '.1%')} | {cell('; '.join(notes))} |")
     return lines
 
 

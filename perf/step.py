@@ -177,6 +177,9 @@ class Variant:
         self.batch = make_batch(self.module, args.batch_size, args.device)
         if getattr(self.module, "reads_cached_features", False):
             self.batch = cached_feature_batch(self.module, self.batch, cfg.method.hard_negatives.captions)
+        # What the Trainer measures on each host batch before it moves (caption lengths, CAE's replacement words);
+        # measured here once, outside the timed steps, as training does it outside the device's queue.
+        self.batch = self.module.on_before_batch_transfer(self.batch, 0)
         self.device, self.autocast = args.device, autocast_dtype(args.precision)
         self.times: List[float] = []
         self.memory_bytes = 0

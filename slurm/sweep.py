@@ -24,6 +24,11 @@ or `--jobs N` at a time (each with cpus // N threads), with a progress line per 
 `<run>/sweep.log`, a run whose export already exists skipped (so running the sweep again resumes it), and a failed
 run reported at the end (exit status 1) without stopping the others.
 
+Any other key=value argument is an override of every run's config, after the sweep file's own: `trainer.accelerator=gpu`
+moves the whole grid to a GPU (its runs' `data.num_workers: auto` then gives them loader processes, and a SLURM
+array asks for one GPU per task when the sweep's `slurm.gpus_per_node` is 0). The run names and directories stay
+those of the grid.
+
 `only.AXIS=LABEL[,LABEL...]` (a key=value argument, one per axis) runs part of the grid: a run is kept when, for
 every axis named, its label is one of those given (`only.method=clip_ft only.negatives=with,without`). sweep.json still
 lists the whole grid, so task indices, run directories and the study report are those of the full sweep: the
@@ -64,7 +69,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from core.cli import add_key_values, key_value_sections, refuse_renamed
-from core.config import ConfigError
+from core.config import GPU_ACCELERATORS, ConfigError
 from core.files import atomic_write_text
 from slurm.bundle import file_sha256, pretrained_weights, read_run_record, record_problems
 from slurm.runs import RUN_LOG, SWEEP_FILE, export_complete
@@ -77,6 +82,7 @@ FEW_RUNS = 4
 # Thread-count variables a child run gets under --jobs: torch's intra-op pool reads OMP_NUM_THREADS at start.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 ONLY_SETTINGS = {"only": "only.AXIS=LABEL[,LABEL...]"}
+ONLY = "only."
 
 
 class SweepError(ValueError):
@@ -111,7 +117,8 @@ class Sweep:
         return Path(self.runs_root) / self.name
 
 
-def load_sweep(path: Path) -> Sweep:
+def load_sweep(path: Path, overrides: Sequence[str] = ()) -> Sweep:
+    """The sweep of file `path`, with `overrides` (fit's key=value) after every run's own."""
     spec = yaml.safe_load(Path(path).read_text()) or {}
     unknown = set(spec) - SWEEP_KEYS
     if unknown:
@@ -131,7 +138,19 @@ def load_sweep(path: Path) -> Sweep:
     bundle = spec.get("bundle")
     if bundle is not None and not (isinstance(bundle, str) and bundle):
         raise SweepError(f"{path}: bundle must be a folder path, got {bundle!r}")
-    return Sweep(spec["name"], str(spec.get("runs_root", "runs/sweeps")), runs, slurm, study, bundle)
+    for run in runs:
+        run.overrides += list(overrides)
+    return Sweep(spec["name"], str(spec.get("runs_root", "runs/sweeps")), runs, with_gpus(slurm, overrides), study,
+                 bundle)
+
+
+def with_gpus(slurm: Dict[str, object], overrides: Sequence[str]) -> Dict[str, object]:
+    """The SLURM resources, with one GPU per node when the command line moves the runs to a GPU and the sweep file
+    asks for none (the runs' `trainer.devices` follow the tasks per node, one per GPU)."""
+    accelerator = dict(item.partition("=")[::2] for item in overrides).get("trainer.accelerator")
+    if accelerator in GPU_ACCELERATORS and not slurm["gpus_per_node"]:
+        return {**slurm, "gpus_per_node": 1}
+    return slurm
 
 
 def axis_choices(key: str, values) -> List[tuple]:
@@ -481,13 +500,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="with --local: runs at once (default 1), each with "
                         "max(1, cpus // jobs) threads")
     add_key_values(parser, dest="settings", help="only.AXIS=LABEL[,LABEL...]: run only the grid's runs with one "
-                   "of these labels on this axis (see below)")
+                   "of these labels on this axis; any other KEY=VALUE overrides every run's config, e.g. "
+                   "trainer.accelerator=gpu (see below)")
     parser.add_argument("--task", nargs=2, metavar=("SWEEP_JSON", "INDEX"), help=argparse.SUPPRESS)
     refuse_renamed(parser, {"--only": "only.AXIS=LABEL[,LABEL...] (a key=value argument)"})
     args = parser.parse_intermixed_args(argv)
     if args.sweep is not None and "=" in str(args.sweep):  # a key=value argument took the sweep file's place
         parser.error(f"give the sweep YAML first, before {args.sweep}")
-    args.only = key_value_sections(parser, args.settings, ONLY_SETTINGS)["only"]
+    args.only = key_value_sections(parser, [item for item in args.settings if item.startswith(ONLY)],
+                                   ONLY_SETTINGS)["only"]
+    args.overrides = [item for item in args.settings if not item.startswith(ONLY)]
+    malformed = [item for item in args.overrides if "=" not in item]
+    if malformed:
+        parser.error(f"{malformed[0]!r}: give only.AXIS=LABEL[,LABEL...] or a config override KEY=VALUE")
     return args
 
 
@@ -501,7 +526,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
     if args.jobs < 1 or (args.jobs != 1 and not args.local):
         raise SystemExit(f"--jobs {args.jobs}: needs --local and a positive number")
     try:
-        sweep = load_sweep(args.sweep)
+        sweep = load_sweep(args.sweep, args.overrides)
         indices = selected_indices(sweep, parse_only(sweep, args.only))
         if not indices:
             chosen = " ".join(f"only.{axis}={labels}" for axis, labels in args.only.items())

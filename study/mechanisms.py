@@ -254,19 +254,13 @@ def ensure_mask_cache(cfg: DictConfig, split: str) -> None:
     """The preprocessing cache of the measured split (pointed at as the validation split), built when missing by
     the same idempotent job as `python -m datamodules.preprocess` (a split the study never preprocessed)."""
     from datamodules.cache import CacheError, open_cache
-    from datamodules.preprocess import (
-        build_parser,
-        cache_directory,
-        cache_settings,
-        make_grounder,
-        preprocess_split,
-        split_sources,
-    )
+    from datamodules.preprocess import (build_parser, find_cache_directory, make_grounder, preprocess_split,
+                                        split_sources)
 
     source = replace(next(s for s in split_sources(cfg.data, cfg.preprocess) if s.split == "val"), split=split)
     parser, grounder = build_parser(cfg.preprocess), make_grounder(cfg.data, cfg.preprocess)
     try:
-        open_cache(cache_directory(cfg.preprocess.cache_root, cache_settings(source, parser, grounder)))
+        open_cache(find_cache_directory(cfg.preprocess.cache_root, source, parser, grounder))
     except CacheError:
         log.info("mechanisms: preprocessing the %s split for MACCO's masks (cache root %s)", split,
                  cfg.preprocess.cache_root)

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from datamodules import features
 from datamodules.shapes import generate
-from fitting import tiny_config
+from fitting import aligner_config, tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -24,4 +25,13 @@ def mask_cache(shapes_root, tmp_path_factory) -> Path:
 
     cache = tmp_path_factory.mktemp("mask_cache")
     run_preprocess(tiny_config(shapes_root, cache, "data.masks=true", f"preprocess.cache_root={cache}"))
+    return cache
+
+
+@pytest.fixture(scope="session")
+def feature_cache(shapes_root, tmp_path_factory) -> Path:
+    """The tiny shapes world's frozen features (random-init ViT-Tiny, seed 0, 3 hard negatives), built once."""
+    cache = tmp_path_factory.mktemp("features")
+    manifests = features.run(aligner_config(shapes_root, cache, cache))
+    assert manifests["train"]["counts"]["captions"] == 32 and manifests["val"]["counts"]["captions"] == 16
     return cache

@@ -49,3 +49,13 @@ class NanAtStep(L.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             batch["image"].fill_(float("nan"))
+
+
+# The aligner tests' world: 3 hard negatives per caption and a small aligner.
+NEGATIVES = 3
+SMALL_ALIGNER = ["method.aligner_width=32", "method.aligner_layers=1", "method.aligner_heads=2"]
+
+
+def aligner_config(root: Path, tmp: Path, cache: Path, *overrides: str):
+    return tiny_config(root, tmp, "method.name=tflocal", f"data.features_cache={cache}",
+                       f"method.hard_negatives.captions={NEGATIVES}", *SMALL_ALIGNER, *overrides)

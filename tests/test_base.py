@@ -116,7 +116,9 @@ def test_objective_sums_only_loss_terms():
         total_loss({"gap": torch.tensor(1.0)})
 
 
-def test_precision_auto_is_fp32_on_cpu_and_explicit_values_pass_through():
+def test_precision_auto_follows_the_accelerator_and_explicit_values_pass_through():
     expected = "bf16-mixed" if torch.cuda.is_available() else "32-true"
     assert resolve_precision("auto") == expected
-    assert resolve_precision("bf16-mixed") == "bf16-mixed"
+    assert resolve_precision("auto", "cpu") == "32-true"  # also where a GPU exists
+    assert resolve_precision("auto", "gpu") == resolve_precision("auto", "cuda") == "bf16-mixed"
+    assert resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"

@@ -256,6 +256,21 @@ def test_order_perturbations_are_cached_and_reused_without_spacy(tmp_path, monke
         Flickr30kOrder(tmp_path, **options).items()
 
 
+def test_order_perturbations_are_found_where_the_spacy_model_is_not_installed(tmp_path, monkeypatch):
+    """A GPU node without spaCy reads the cache made elsewhere: found by file and seed, whatever the version."""
+    options = write_aro_flickr_order(tmp_path, n_items=5)
+    texts = [item.texts for item in Flickr30kOrder(tmp_path, **options).items()]
+
+    def no_spacy(*args, **kwargs):
+        raise ImportError("No module named 'spacy'")
+
+    monkeypatch.setattr(perturbations, "installed_model_version", lambda model: None)
+    monkeypatch.setattr(perturbations, "spacy_pipeline", no_spacy)
+    assert [item.texts for item in Flickr30kOrder(tmp_path, **options).items()] == texts
+    with pytest.raises(ImportError):  # another seed has no cache: perturbing it needs spaCy
+        Flickr30kOrder(tmp_path, seed=2, **options).items()
+
+
 def test_order_cache_dir_option(tmp_path):
     options = write_aro_coco_order(tmp_path / "root", n_items=3)
     benchmark = COCOOrder(tmp_path / "root", cache_dir=tmp_path / "cache", **options)

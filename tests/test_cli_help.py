@@ -157,7 +157,6 @@ def test_each_old_spelling_is_refused_naming_the_new_one(name, argv, pointer, ca
     ("evaluation.evaluate", ["sugarcrepe.images=x"], "the key=value arguments of this command are roots.NAME=DIR, "
                                                      "options.NAME.OPTION=VALUE, scorer.OPTION=VALUE"),
     ("study.demo", ["--data-root", "w", "a=r"], "are runs.LABEL=RUN_DIR[@SCORER]"),
-    ("slurm.sweep", ["s.yaml", "method=x"], "are only.AXIS=LABEL[,LABEL...]"),
 ])
 def test_a_key_outside_the_commands_sections_names_them(name, argv, message, capsys):
     assert message in refusal(name, argv, capsys)

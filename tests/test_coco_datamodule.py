@@ -22,6 +22,7 @@ from PIL import Image
 
 from core.config import DataConfig, HardNegativesConfig
 from datamodules.annotations import read_annotation_file, read_negclip_tsv
+from datamodules import coco
 from datamodules.coco import CocoCaptions, CocoDataModule, UnreadableImageError, build_dataloader
 from datamodules.hard_negatives import NeighbourTable, build_neighbour_table, draw_positions
 
@@ -457,6 +458,55 @@ def test_augmentation_is_a_function_of_seed_epoch_and_index(tmp_path, tokenizer)
     assert torch.equal(torch.rand(1), before)  # loading did not consume the global RNG
     assert torch.equal(in_process, augmented_epoch(data, 0, num_workers=2))
     assert not torch.equal(in_process, augmented_epoch(data, 1, num_workers=0))
+
+
+def globally_seeded(monkeypatch):
+    """The crops as they were drawn before per-sample generators: torch.manual_seed(seed) on the global generator
+    right before each transform call, which then draws from it."""
+    def seed_globally(seed):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return None
+
+    monkeypatch.setattr(coco, "crop_generator", seed_globally)
+
+
+def forbid_global_seeding(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("a global generator was seeded or forked")
+
+    for owner, name in ((torch, "manual_seed"), (torch, "seed"), (torch.random, "fork_rng"),
+                        (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all")):
+        monkeypatch.setattr(owner, name, refused)
+
+
+def samples_of(data: CocoCaptions, keys) -> list:
+    return [data[key] for key in keys]
+
+
+def assert_same_samples(first: list, second: list) -> None:
+    for a, b in zip(first, second, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key], key
+
+
+def test_per_sample_generators_draw_the_crops_of_the_global_seeding_and_leave_it_alone(negclip_dir, tokenizer,
+                                                                                      monkeypatch):
+    """Sample and neighbour crops from per-sample generators equal those drawn under torch.manual_seed(seed),
+    exactly, for open_clip's training transform; no global generator (CPU or CUDA) is seeded, forked or consumed."""
+    data = negclip(negclip_dir, tokenizer, open_clip.image_transform(IMAGE_SIZE, is_train=True))
+    keys = [(index, seed) for index in range(len(data)) for seed in (0, 17, 2 ** 31 + 5)]
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    with monkeypatch.context() as forbidden:
+        forbid_global_seeding(forbidden)
+        new = samples_of(data, keys)
+    assert torch.equal(torch.get_rng_state(), state)
+    with monkeypatch.context() as old:
+        globally_seeded(old)
+        assert_same_samples(new, samples_of(data, keys))
+    assert len({tuple(sample["image"].flatten()[:8].tolist()) for sample in new}) > len(data)  # crops vary by seed
 
 
 # ----- NegCLIP hard negatives: drawn at every access, seeded; neg_image neighbours ---------------------

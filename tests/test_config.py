@@ -177,3 +177,35 @@ def test_the_global_batch_splits_over_devices_and_accumulation_or_is_refused():
         split_global_batch("data.batch_size", 256, 3)
     with pytest.raises(ConfigError, match="multiple of 8"):
         split_global_batch("data.batch_size", 4, 8)
+
+
+@pytest.mark.parametrize("threads, accelerator, devices, expected", [
+    ("16", "cpu", 1, 0), ("16", "gpu", 1, 8), ("16", "cuda", 2, 7), ("2", "gpu", 1, 1), ("1", "gpu", 1, 1)])
+def test_auto_loader_workers_follow_the_accelerator_and_the_cpu_share(monkeypatch, threads, accelerator, devices,
+                                                                     expected):
+    from core.config import loader_workers
+
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)  # what a local sweep gives each of its runs
+    assert loader_workers("auto", accelerator, devices) == expected
+    assert loader_workers(3, accelerator, devices) == 3
+
+
+def test_loader_workers_refuse_what_is_neither_a_count_nor_auto():
+    from core.config import loader_workers
+
+    for bad in (-1, "four", 2.5, True):
+        with pytest.raises(ConfigError, match="data.num_workers"):
+            loader_workers(bad, "cpu")
+
+
+@pytest.mark.parametrize("stage", ["backbone", "finetune"])
+def test_the_study_moves_to_a_gpu_with_one_override(stage, monkeypatch):
+    """On the CPU the study decodes in the training process; with trainer.accelerator=gpu it gets loader
+    processes, and stays in float32 so that the objective is the same on either device."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    config = REPO_ROOT / "configs" / "study" / f"{stage}.yaml"
+    on_cpu = load_config([config])
+    on_gpu = load_config([config], ["trainer.accelerator=gpu"])
+    assert (on_cpu.trainer.accelerator, on_cpu.data.num_workers) == ("cpu", 0)
+    assert (on_gpu.trainer.accelerator, on_gpu.data.num_workers) == ("gpu", 3)
+    assert on_cpu.trainer.precision == on_gpu.trainer.precision == "32-true"

@@ -14,7 +14,8 @@ from core.config import REPO_ROOT
 from lightning_modules import load_run_config
 from datamodules.annotations import read_annotation_file
 from datamodules.coco import CocoCaptions, read_image_ids
-from datamodules.transforms import CropResize, box_overlaps_crop, center_square
+from datamodules.transforms import (CropResize, GlobalStateFromGenerator, box_overlaps_crop, center_square,
+                                   random_resized_crop, seeded_generator, with_generator)
 
 TOKENIZER = open_clip.get_tokenizer("ViT-B-32")
 KARPATHY = {"dataset": "coco", "images": [
@@ -116,3 +117,41 @@ def test_training_crop_is_box_aware_and_seeded():
     assert sum(box_overlaps_crop(corner_box[0], c) for c in crops) >= 45  # re-drawn until it keeps the box
     torch.manual_seed(0)
     assert [transform.sample_crop(image, corner_box) for _ in range(50)] == crops
+
+
+@pytest.mark.parametrize("size, scale", [((96, 64), (0.08, 1.0)), ((240, 220), (0.9, 1.0)), ((400, 20), (0.9, 1.0)),
+                                         ((20, 400), (0.5, 1.0)), ((33, 31), (0.9, 1.0))])
+def test_a_seeded_generator_draws_torchvisions_crop_of_the_global_seed(size, scale):
+    """`random_resized_crop` from a generator seeded with s == RandomResizedCrop.get_params after
+    torch.manual_seed(s), including the centre-crop fallback of extreme aspect ratios (400 x 20)."""
+    image = Image.new("RGB", size)
+    ratio = (3 / 4, 4 / 3)
+    for seed in range(200):
+        torch.manual_seed(seed)
+        expected = tuple(RandomResizedCrop.get_params(image, list(scale), list(ratio)))
+        assert random_resized_crop(*size, scale, ratio, seeded_generator(seed)) == expected, seed
+
+
+def test_open_clips_training_transform_from_a_generator_equals_it_under_the_global_seed():
+    image = Image.effect_mandelbrot((90, 70), (-2, -1, 1, 1), 50).convert("RGB")
+    official = open_clip.image_transform(32, is_train=True)
+    drawing = with_generator(official)
+    assert not isinstance(drawing, GlobalStateFromGenerator)  # open_clip's steps are all known
+    for seed in range(20):
+        torch.manual_seed(seed)
+        assert torch.equal(drawing(image, seeded_generator(seed)), official(image))
+
+
+def test_an_unknown_transform_runs_on_the_global_generator_in_the_generators_state():
+    def noisy(image):
+        return torch.rand(3)
+
+    drawing = with_generator(noisy)
+    assert isinstance(drawing, GlobalStateFromGenerator)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    torch.manual_seed(7)
+    expected = noisy(None)
+    torch.set_rng_state(state)
+    assert torch.equal(drawing(None, seeded_generator(7)), expected)
+    assert torch.equal(torch.get_rng_state(), state)  # restored

@@ -187,12 +187,19 @@ def test_unknown_method_lists_the_registered_ones(shapes_root, tmp_path):
         tiny_config(shapes_root, tmp_path, "method.name=clip_fft")
 
 
+def logged_scalars(run_dir: Path, tag: str) -> dict:
+    events = EventAccumulator(str(run_dir / "tb" / "version_0"))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
 def test_ddp_on_two_processes_equals_one_process_with_the_global_batch(shapes_root, tmp_path):
     """2 gloo ranks x batch 4 see the same samples and augmentations as 1 process x batch 8 (sharding
-    interleaves the seeded permutation), and the exact gathered loss makes the updates equal."""
+    interleaves the seeded permutation), and the exact gathered loss makes the updates equal. The losses written
+    on the logging steps are the means over ranks (reduced on those steps only): the single process's losses."""
     common = ["--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), f"model.name={TINY}",
               f"data.root={shapes_root}", "data.num_workers=0", "data.masks=false", "trainer.max_steps=3",
-              "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false"]
+              "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=2"]
     # The same recipe (global batch 8) on 2 processes and on 1: fit splits it per device and records the split.
     ddp = cli(*common, "data.batch_size=8", "trainer.devices=2", "trainer.strategy=ddp", cwd=tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
@@ -203,6 +210,12 @@ def test_ddp_on_two_processes_equals_one_process_with_the_global_batch(shapes_ro
     for where, per_device in (("ddp", 4), ("single", 8)):
         saved = load_run_config([tmp_path / where / "runs" / "demo_pretrain" / "config.yaml"], base=None, saved=True)
         assert (saved.data.batch_size, saved.data.per_device_batch_size) == (8, per_device)
+    for tag in ("train/loss", "train/itc_loss"):
+        ddp_logged = logged_scalars(tmp_path / "ddp" / "runs" / "demo_pretrain", tag)
+        single_logged = logged_scalars(tmp_path / "single" / "runs" / "demo_pretrain", tag)
+        assert sorted(ddp_logged) == sorted(single_logged) and len(ddp_logged) == 1, tag  # 3 steps, every 2nd
+        for step, value in single_logged.items():  # the earlier update moved the weights apart by ulps only
+            assert ddp_logged[step] == pytest.approx(value, rel=1e-5), (tag, step)
     a = exported_state(tmp_path / "ddp" / "runs" / "demo_pretrain")
     b = exported_state(tmp_path / "single" / "runs" / "demo_pretrain")
     # 3 AdamW steps at the demo's warmup learning rates (lr * 1/40, 2/40, 3/40 = 2.5e-5, 5e-5, 7.5e-5).

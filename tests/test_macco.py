@@ -456,7 +456,7 @@ def test_trimming_the_text_is_exact_with_the_key_padding_mask(module):
 def plain_text_pair(module: MaccoCLIP):
     """The text forward without the memory savers: full and masked captions in one 2B forward at the full
     copy's length (the original's layout)."""
-    def encode_text_pair(ids, text_mask):
+    def encode_text_pair(ids, text_mask, trim=True):
         replace = torch.cat([torch.zeros_like(text_mask), text_mask])
         both = module.encoders.encode_text(torch.cat([ids, ids]), replace=replace, mask_token=module.text_mask_token,
                                            trim=module.trim_text)

@@ -62,6 +62,7 @@ def test_every_method_row_has_its_numbers(smoke):
     for label, row in result["training"].items():
         assert tuple(row) == gpu.TRAINING_KEYS
         assert row["status"] == "ok", (label, row["error"])
+        assert row["precision"] == {"clip_ft+tf32": "tf32", "clip_ft+32-true": "32-true"}.get(label, "bf16-mixed")
         assert row["batch_size"] == 4 and row["timed_steps"] == 2 == len(row["step_times_s"])
         assert row["median_step_s"] > 0 and row["samples_per_s"] == pytest.approx(4 / row["median_step_s"])
         assert row["peak_memory_gib"] > 0 and row["memory_kind"] == "cpu_saved_for_backward"
@@ -77,17 +78,26 @@ def test_frozen_backbone_rows_train_the_aligner_only(smoke):
     assert aligner < rows["clip_ft"]["trainable_parameters"]
 
 
-def test_clip_ft_flops_count_forward_and_backward_and_give_the_mfu(smoke):
+def test_every_row_counts_its_flops_and_gives_the_mfu_of_its_precision(smoke):
+    """FLOPs of forward and backward for every method; the MFU against the peak of the row's precision (TF32:
+    half the bf16 peak; plain fp32: none) and against the matmul measured in it."""
     result, _ = smoke
+    device = result["device"]
+    assert device["bf16_peak_tflops"] == 2.5 and device["peak_source"] == "--peak-tflops"
     row = result["training"]["clip_ft"]
     assert "aten.convolution" in row["flops_by_op"] and "aten.convolution_backward" in row["flops_by_op"]
-    assert row["flops_per_step"] == sum(row["flops_by_op"].values())
-    achieved = row["flops_per_step"] / row["median_step_s"] / 1e12
-    assert row["achieved_tflops"] == pytest.approx(achieved)
-    assert row["mfu"] == pytest.approx(achieved / 2.5)  # against --peak-tflops
-    assert row["mfu_of_matmul"] == pytest.approx(achieved / result["device"]["matmul_bf16_tflops"])
-    assert result["device"]["bf16_peak_tflops"] == 2.5 and result["device"]["peak_source"] == "--peak-tflops"
-    assert all(other["flops_per_step"] is None for label, other in result["training"].items() if label != "clip_ft")
+    peaks = {"bf16-mixed": 2.5, "tf32": 1.25, "32-true": None}
+    matmuls = {"bf16-mixed": "matmul_bf16_tflops", "tf32": "matmul_tf32_tflops", "32-true": "matmul_fp32_tflops"}
+    for label, row in result["training"].items():
+        assert row["flops_per_step"] == sum(row["flops_by_op"].values()) > 0, label
+        achieved = row["flops_per_step"] / row["median_step_s"] / 1e12
+        assert row["achieved_tflops"] == pytest.approx(achieved)
+        peak = peaks[row["precision"]]
+        assert row["peak_tflops"] == peak and row["mfu"] == (None if peak is None else pytest.approx(achieved / peak))
+        assert row["mfu_of_matmul"] == pytest.approx(achieved / device[matmuls[row["precision"]]])
+    # The same model and batch in every precision: the same FLOPs.
+    flops = {result["training"][label]["flops_per_step"] for label in ("clip_ft", "clip_ft+tf32", "clip_ft+32-true")}
+    assert len(flops) == 1
 
 
 def test_grounding_and_evaluation_sections(smoke):
@@ -105,7 +115,7 @@ def test_grounding_and_evaluation_sections(smoke):
 def test_markdown_has_a_row_per_method_and_each_section(smoke):
     _, markdown = smoke
     for label in gpu.LEAD_ROWS:
-        assert f"| {label} | 4 | ok | " in markdown
+        assert f"| {label} | 4 | {label.partition('+')[2] or 'bf16-mixed'} | ok | " in markdown
     assert "## GroundingDINO preprocessing" in markdown and "| 224 (max 373) | 1 | 1 | 1 |" in markdown
     assert "| sugarcrepe | ok | 14 |" in markdown
     assert "2.5 TFLOP/s (--peak-tflops)" in markdown
@@ -133,8 +143,11 @@ def test_unknown_rows_fail_before_any_work():
         gpu.main(["--cpu-smoke", "--methods", "clip_ft,clip_fx"])
     with pytest.raises(SystemExit, match="positive integer"):
         gpu.main(["--cpu-smoke", "--methods", "tflocal@x"])
-    assert gpu.parse_row("tflocal@64", 256, fixed_batch=False) == ("tflocal", 64)
-    assert gpu.parse_row("tflocal@64", 4, fixed_batch=True) == ("tflocal", 4)
+    with pytest.raises(SystemExit, match="the precision after \\+ is one of"):
+        gpu.main(["--cpu-smoke", "--methods", "clip_ft+fp32"])
+    assert gpu.parse_row("tflocal@64", 256, fixed_batch=False) == ("tflocal", 64, "bf16-mixed")
+    assert gpu.parse_row("tflocal@64", 4, fixed_batch=True) == ("tflocal", 4, "bf16-mixed")
+    assert gpu.parse_row("clip_ft@32+tf32", 256, fixed_batch=False) == ("clip_ft", 32, "tf32")
 
 
 @pytest.mark.parametrize("name, peak", [
@@ -192,3 +205,23 @@ def test_a_failing_row_is_recorded_and_the_rest_still_run(monkeypatch):
     assert spent["clip_ft"]["status"] == "skipped" and spent["clip_ft"]["error"] == "time budget spent"
     assert gpu.guarded(lambda: 1 / 0) == {"status": "error", "error": "ZeroDivisionError: division by zero"}
     assert gpu.budgeted(0.0, lambda: 1 / 0) == {"status": "skipped", "error": "time budget spent"}
+
+
+def test_results_are_rewritten_after_every_row_so_a_kill_keeps_them(monkeypatch, tmp_path):
+    """A run that dies in its third row leaves the first two rows on disk, in the JSON and the Markdown."""
+    def fake_run(row, settings, device, deadline):
+        if row["method"] == "smartclip":
+            raise KeyboardInterrupt  # stands in for a kill: nothing after it runs
+        row.update(status="ok", samples_per_s=10.0, median_step_s=0.4, peak_memory_gib=1.0)
+
+    monkeypatch.setattr(gpu, "run_variant", fake_run)
+    monkeypatch.setattr(gpu, "matmul_tflops", lambda *args, **kwargs: 1.0)
+    out = tmp_path / "partial"
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main(["--cpu-smoke", "--no-budget", "--sections", "training", "--out", str(out),
+                  "--methods", "clip_ft,macco,smartclip,tflocal"])
+    written = json.loads((tmp_path / "partial.json").read_text())
+    assert list(written["training"]) == ["clip_ft", "macco"]
+    markdown = (tmp_path / "partial.md").read_text()
+    assert "| clip_ft | 4 | bf16-mixed | ok | 10.0 |" in markdown and "| macco |" in markdown
+    assert "smartclip" not in markdown

@@ -467,3 +467,27 @@ def test_sweep_on_real_slurm_with_a_requeued_task_resuming(cluster, tmp_path):
     log = next(sweep_dir.glob("slurm-*_0.out")).read_text()
     assert "Resuming from" in log, log[-3000:]
     assert len(list((first_run / "tb" / "version_0").glob("events.out.tfevents.*"))) == 2  # the same curves grew
+
+
+def test_one_override_moves_every_run_of_a_sweep_to_a_gpu(tmp_path, capsys):
+    """`trainer.accelerator=gpu` on the command line joins every run's overrides (names and directories unchanged),
+    and the array asks for a GPU per task, since the sweep file asks for none."""
+    path = write_sweep(tmp_path, tmp_path / "shapes")
+    cpu_names = [run.name for run in load_sweep(path).runs]
+    sweep_main([str(path), "--dry-run", "trainer.accelerator=gpu"])
+    out = capsys.readouterr().out
+    assert "#SBATCH --gres=gpu:1" in out and "#SBATCH --ntasks-per-node=1" in out
+    tasks = [line for line in out.splitlines() if line.startswith("# task")]
+    assert len(tasks) == 2
+    assert all(f"trainer.accelerator=gpu experiment=seed-{index}" in line for index, line in enumerate(tasks))
+    gpu = load_sweep(path, ["trainer.accelerator=gpu"])
+    assert [run.name for run in gpu.runs] == cpu_names
+    assert all(run.overrides[-1] == "trainer.accelerator=gpu" for run in gpu.runs)
+    assert gpu.slurm["gpus_per_node"] == 1 and load_sweep(path).slurm["gpus_per_node"] == 0
+
+
+def test_a_mistyped_override_of_every_run_is_named_before_anything_runs(tmp_path):
+    path = write_sweep(tmp_path, tmp_path / "shapes")
+    with pytest.raises(SystemExit, match="did you mean 'trainer.accelerator'"):
+        sweep_main([str(path), "--dry-run", "trainer.acelerator=gpu"])
+    assert not (tmp_path / "runs").exists()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import TINY, tiny_config
+from fitting import NEGATIVES, TINY, aligner_config, tiny_config
 from tolerance import assert_scaled_close
 
 import lightning_modules
@@ -32,23 +32,7 @@ from lightning_modules.base import total_loss
 from lightning_modules.methods.tflocal import (TFGlobal, TFLocal, aligner_infonce, aligner_inputs, aligner_itm,
                                                is_feature_batch)
 
-NEGATIVES = 3
-SMALL_ALIGNER = ["method.aligner_width=32", "method.aligner_layers=1", "method.aligner_heads=2"]
 KINDS = {"tflocal": TFLocal, "tfglobal": TFGlobal}
-
-
-def aligner_config(root: Path, tmp: Path, cache: Path, *overrides: str):
-    return tiny_config(root, tmp, "method.name=tflocal", f"data.features_cache={cache}",
-                       f"method.hard_negatives.captions={NEGATIVES}", *SMALL_ALIGNER, *overrides)
-
-
-@pytest.fixture(scope="module")
-def feature_cache(shapes_root, tmp_path_factory) -> Path:  # noqa: F811
-    """The tiny shapes world's frozen features (random-init ViT-Tiny, seed 0, 3 hard negatives), built once."""
-    cache = tmp_path_factory.mktemp("features")
-    manifests = features.run(aligner_config(shapes_root, cache, cache))
-    assert manifests["train"]["counts"]["captions"] == 32 and manifests["val"]["counts"]["captions"] == 16
-    return cache
 
 
 def build(kind: str, cfg):

@@ -194,9 +194,16 @@ class _OrderBenchmark(ItemBenchmark):
 
     @property
     def cache_path(self) -> Path:
-        """Named by split file, seed and spaCy model version: each of them changes the negatives."""
-        version = perturbations.spacy_model_version(self.spacy_model)
+        """Named by split file, seed and spaCy model version: each of them changes the negatives. Where the model
+        is not an installed package (no spaCy on a GPU node), the one cache of this file and seed made under any
+        version: its perturbations are what was drawn, and finding it needs no spaCy."""
         stem = Path(self.annotation_file).stem
+        version = perturbations.installed_model_version(self.spacy_model)
+        if version is None:
+            made = sorted(self.cache_dir.glob(f"{stem}.order_seed{self.seed}.{self.spacy_model}-*.json"))
+            if len(made) == 1:
+                return made[0]
+            version = perturbations.spacy_model_version(self.spacy_model)
         return self.cache_dir / f"{stem}.order_seed{self.seed}.{self.spacy_model}-{version}.json"
 
     def items(self) -> list[Item]:

@@ -104,10 +104,19 @@ def spacy_pipeline(model: str = DEFAULT_SPACY_MODEL):
 
 def spacy_model_version(model: str = DEFAULT_SPACY_MODEL) -> str:
     """The installed version of the spaCy model package, read without loading spaCy when possible."""
+    version = installed_model_version(model)
+    if version is not None:
+        return version
+    return str(spacy_pipeline(model).meta.get("version", "unknown"))  # a model loaded from a path, not a package
+
+
+def installed_model_version(model: str = DEFAULT_SPACY_MODEL) -> str | None:
+    """The version of the spaCy model package from its metadata (spaCy is not imported); None when the model is
+    not an installed package (loaded from a path, or no spaCy at all)."""
     try:
         return importlib.metadata.version(model)
-    except importlib.metadata.PackageNotFoundError:  # a model loaded from a path rather than a package
-        return str(spacy_pipeline(model).meta.get("version", "unknown"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _permute_positions(words: list[str], positions: Sequence[int], rng: np.random.Generator) -> None:

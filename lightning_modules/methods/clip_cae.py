@@ -46,6 +46,8 @@ GRADIENT_BASED = ("gradcam", "gradient", "grad_eclip")
 EXPLICIT_ATTENTION = ("attention",) + GRADIENT_BASED
 # Where the replacement vocabulary goes in a checkpoint.
 VOCABULARY_KEY = "cae_replacement_vocabulary"
+# The batch entry of the replacement words drawn on the host (`ClipCAE.host_work`).
+REPLACEMENTS = "word_replacements"
 
 
 class ClipCAE(ClipFineTune):
@@ -63,7 +65,9 @@ class ClipCAE(ClipFineTune):
         super().__init__(cfg)
         self.attribution = cfg.method.attribution.name
         self.attribution_options = attribution_options(cfg.method.attribution)
-        self.register_buffer("word_ends", word_end_table(self.tokenizer, self.clip.vocab_size), persistent=False)
+        # A host copy too: the replacement words are drawn on the host batch, before it moves (`host_work`).
+        self._host_word_ends = word_end_table(self.tokenizer, self.clip.vocab_size)
+        self.register_buffer("word_ends", self._host_word_ends.clone(), persistent=False)
         self.replacement_vocabulary: Optional[WordVocabulary] = None
 
     @property
@@ -103,8 +107,9 @@ class ClipCAE(ClipFineTune):
         with torch.enable_grad() if self.attribution in GRADIENT_BASED else nullcontext():
             image = F.normalize(self.encoders.encode_image(batch["image"]).pooled, dim=-1)
             # perturbation runs each perturbed caption from its replaced word on, from the blocks' inputs here
+            trim = False if self.needs_full_context else self.trim_length(batch, "text")
             text_features = self.encoders.encode_text(batch["text"], attn=self.attribution in EXPLICIT_ATTENTION,
-                                                      trim=not self.needs_full_context,
+                                                      trim=trim,
                                                       keep_block_inputs=self.attribution == "perturbation",
                                                       embeddings_as_leaf=self.attribution in GRADIENT_BASED)
             # [paper] the attribution regularises the text encoder only: the image embedding is a constant here
@@ -115,21 +120,34 @@ class ClipCAE(ClipFineTune):
         attr_loss, report = self._attribution_term(attribution, batch)
         return {"itc_loss": itc, "attr_loss": self.cfg.method.attr_weight * attr_loss}, report
 
+    def host_work(self, batch: dict) -> dict:
+        """With perturbation by kind, also the replacement words (`REPLACEMENTS`), drawn from the host batch: drawing
+        reads every id and caption id, which on the device would be a sync per caption."""
+        work = super().host_work(batch)
+        if self.uses_word_replacements and self.replacement_vocabulary is not None and "obj_mask" in batch:
+            work[REPLACEMENTS] = self._draw_replacements(batch, batch["text"])
+        return work
+
     def _attribution(self, batch: dict, image: Tensor, text_features) -> Tensor:
         ids = batch["text"][:, : text_features.tokens.shape[1]]  # the (trimmed) length of the text forward
-        replacements = self._draw_replacements(batch, ids) if self.uses_word_replacements else None
+        replacements = batch.get(REPLACEMENTS)  # drawn on the host, unless the batch did not come through a Trainer
+        if replacements is None and self.uses_word_replacements:
+            replacements = self._draw_replacements(batch, ids)
         inputs = TextAttributionInputs(self.encoders, ids, image, text_features, self.word_ends,
                                        replacements=replacements)
         return text_attribution(self.attribution, inputs, self.attribution_options, create_graph=self.training)
 
     def _draw_replacements(self, batch: dict, ids: Tensor) -> WordReplacements:
+        """The replacement words of every kind-tagged word of the captions `ids` (trimmed or not: the words after
+        the last EOS have no kind), on the device of `ids`."""
+        word_ends = self._host_word_ends if ids.device.type == "cpu" else self.word_ends
         if self.replacement_vocabulary is None:
             raise ValueError("perturbation with replacement=kind needs ClipCAE.replacement_vocabulary (set by "
                              "setup from the DataModule, or directly)")
         kinds = token_kinds(batch["obj_mask"], batch["attr_mask"], batch["rel_mask"])
         stage = 0 if self.training else 1
-        seeds = [(self.cfg.seed, self.current_epoch, int(caption_id), stage) for caption_id in batch["caption_id"]]
-        return draw_word_replacements(ids, self.word_ends, kinds, self.replacement_vocabulary,
+        seeds = [(self.cfg.seed, self.current_epoch, caption_id, stage) for caption_id in batch["caption_id"].tolist()]
+        return draw_word_replacements(ids, word_ends, kinds, self.replacement_vocabulary,
                                       self.attribution_options.num_replacements, seeds)
 
     def _attribution_term(self, attribution: Tensor, batch: dict) -> Tuple[Tensor, Terms]:

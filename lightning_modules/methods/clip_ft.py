@@ -11,7 +11,7 @@ batch [ours: the official code trains on one GPU; its gathered labels would not 
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -46,20 +46,21 @@ class ClipFineTune(CompositionalCLIPModule):
 
     def compute_terms(self, batch: dict) -> Tuple[Terms, Terms]:
         image = self._image_features(batch["image"])
-        text = self._text_features(batch["text"])
+        text = self._text_features(batch["text"], self.trim_length(batch, "text"))
         return {"itc_loss": self._contrastive_loss(batch, image, text)}, {}
 
     def _image_features(self, images: Tensor) -> Tensor:
         return F.normalize(self.encoders.encode_image(images).pooled, dim=-1)
 
-    def _text_features(self, ids: Tensor) -> Tensor:
-        return F.normalize(self.encoders.encode_text(ids, trim=True).pooled, dim=-1)
+    def _text_features(self, ids: Tensor, trim: Union[bool, int] = True) -> Tensor:
+        return F.normalize(self.encoders.encode_text(ids, trim=trim).pooled, dim=-1)
 
     def _contrastive_loss(self, batch: dict, image: Tensor, text: Tensor) -> Tensor:
         """L_itc of the samples' features `image`, `text` [B, D]; in training with NegCLIP's hard negatives."""
         neighbours = self.training and self.cfg.method.hard_negatives.images
         if neighbours:
             image = torch.cat([image, self._image_features(required_entry(batch, "neg_image"))])
-            text = torch.cat([text, self._text_features(batch["neg_image_text"])])
+            text = torch.cat([text, self._text_features(batch["neg_image_text"],
+                                                        self.trim_length(batch, "neg_image_text"))])
         negatives = self.encode_hard_negatives(batch, neighbours) if self.trains_on_hard_negatives else None
         return self.itc(image, text, self.clip.logit_scale.exp(), negatives)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -273,7 +273,7 @@ class MaccoCLIP(CompositionalCLIPModule):
         docs/methods.md#forward-and-predictors)."""
         ids = batch["text"]
         text_mask = batch["comp_mask"].bool() & content_positions(ids)
-        text, masked_text = self.encode_text_pair(ids, text_mask)
+        text, masked_text = self.encode_text_pair(ids, text_mask, self.trim_length(batch, "text"))
         length = text.tokens.shape[1]  # the trimmed length of the text forward: targets and masks follow it
         ids, text_mask = ids[:, :length], text_mask[:, :length]
         patch_mask = batch["patch_mask"].bool()
@@ -292,17 +292,18 @@ class MaccoCLIP(CompositionalCLIPModule):
         return MaccoOutputs(text, masked_text, image, masked_image, ids, text_mask, patch_mask, text_features,
                             vocabulary_logits, pixels)
 
-    def encode_text_pair(self, ids: Tensor, text_mask: Tensor) -> Tuple[TextFeatures, TextFeatures]:
+    def encode_text_pair(self, ids: Tensor, text_mask: Tensor, trim: Union[bool, int] = True
+                         ) -> Tuple[TextFeatures, TextFeatures]:
         """Full and masked captions; masked tokens get `text_mask_token` before the positions.
 
         The masked copy always stops at the batch's last EOS: only its EOS (pooled) and its masked positions (all
         before EOS) are read, and the tower is causal, so the positions after it change nothing but the memory.
         The full copy runs every position without the key padding mask (each is a key of the image predictor,
         as in the original) and stops at the last EOS with it. Two B forwards, each row computed as in one 2B
-        forward of the original (up to float rounding).
+        forward of the original (up to float rounding). `trim` is `encode_text`'s (True, or the host length).
         """
-        text = self.encoders.encode_text(ids, trim=self.trim_text)
-        masked_text = self.encoders.encode_text(ids, replace=text_mask, mask_token=self.text_mask_token, trim=True)
+        text = self.encoders.encode_text(ids, trim=trim if self.trim_text else False)
+        masked_text = self.encoders.encode_text(ids, replace=text_mask, mask_token=self.text_mask_token, trim=trim)
         return text, masked_text
 
     def encode_image_pair(self, images: Tensor, patch_mask: Tensor) -> Tuple[ImageFeatures, ImageFeatures]:

@@ -37,7 +37,7 @@ negatives. The mask network reads only the (detached) caption, never whether it 
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -188,7 +188,7 @@ class SmartCLIP(CompositionalCLIPModule):
         m = self.cfg.method
         # x: unnormalised (docs/methods.md#modular-contrastive-loss)
         images = self.encoders.encode_image(batch["image"]).pooled
-        pooled, hidden, valid = self.encode_text_with_hidden(batch["text"])
+        pooled, hidden, valid = self.encode_text_with_hidden(batch["text"], self.trim_length(batch, "text"))
         texts = F.normalize(pooled, dim=-1)
         masks = self.caption_masks(hidden, valid)
         negatives = self.hard_negatives_with_masks(batch) if self.trains_on_hard_negatives else None
@@ -209,20 +209,22 @@ class SmartCLIP(CompositionalCLIPModule):
         embeddings [B, K, D] and their own masks [B, K, D]: the text forward and mask network of a caption,
         because each is scored under its own mask. [ours]"""
         ids = self.hard_negative_ids(batch)
-        pooled, hidden, valid = self.encode_text_with_hidden(ids.flatten(0, 1))
+        pooled, hidden, valid = self.encode_text_with_hidden(ids.flatten(0, 1), self.trim_length(batch, "neg_text"))
         shape = (*ids.shape[:2], -1)
         return F.normalize(pooled, dim=-1).view(shape), self.caption_masks(hidden, valid).view(shape)
 
-    def encode_text_with_hidden(self, ids: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    def encode_text_with_hidden(self, ids: Tensor, trim: Union[bool, int] = True
+                                ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """The text forward returning (pooled [B, D], hidden [B, L', width], valid [B, L'] or None).
 
         `hidden` is the per-token output after ln_final and before the text projection, what the mask network
         reads. With `mask_positions: all` [official] the forward runs over the full context (L' = L, every
         padding position included) and `valid` is None. With `caption` [ours] only SOT..EOS matter, so the
-        forward is trimmed after the batch's last EOS (the tower is causal: nothing before it changes).
+        forward is trimmed after the batch's last EOS (the tower is causal: nothing before it changes), at `trim`
+        (`encode_text`'s: True, or the length measured on the host).
         """
         mask_positions = self.cfg.method.mask_positions
-        features = self.encoders.encode_text(ids, trim=mask_positions == "caption")
+        features = self.encoders.encode_text(ids, trim=trim if mask_positions == "caption" else False)
         valid = mask_network_positions(ids[:, : features.hidden.shape[1]], mask_positions)
         return features.pooled, features.hidden, valid
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,8 @@ from torch import Tensor
 from core.encoders import CLIPEncoders
 from datamodules.features import backbone_fingerprint, frozen_image_features, frozen_text_features, length_mask
 from evaluation.aligner import AlignerScorer, export_aligner
+from lightning_modules.base import HOST_LENGTHS, CompositionalCLIPModule, Terms
 from modeling.aligner import IMAGE, TEXT, TokenAligner
-from lightning_modules.base import CompositionalCLIPModule, Terms
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +54,24 @@ def aligner_infonce(grid: Tensor, hard: Optional[Tensor] = None) -> Tensor:
 
 def aligner_itm(grid: Tensor, hard: Optional[Tensor] = None) -> Tensor:
     """Binary matching: 1/2 [mean BCE(positives, 1) + mean BCE(scored negatives, 0)] [ours: class-balanced,
-    since a B x B grid has B positives for B^2 - B negatives]."""
+    since a B x B grid has B positives for B^2 - B negatives]; the positive term alone without any negative.
+
+    The scored negatives are weighted rather than selected, so that no count is read back from the device. In
+    float32 at least (float64 stays float64)."""
+    dtype = torch.promote_types(grid.dtype, torch.float32)
     diagonal = torch.eye(grid.shape[0], dtype=torch.bool, device=grid.device)
-    positives = grid[diagonal].float()
-    negatives = grid[~diagonal & torch.isfinite(grid)].float()
+    positives = grid.diagonal().to(dtype)
+    scored = ~diagonal & torch.isfinite(grid)
+    negatives = grid.to(dtype).masked_fill(~scored, 0.0).flatten()  # unscored -inf would make the BCE NaN
+    weights = scored.flatten().to(dtype)
     if hard is not None:
-        negatives = torch.cat([negatives, hard.flatten().float()])
+        negatives = torch.cat([negatives, hard.flatten().to(dtype)])
+        weights = torch.cat([weights, torch.ones_like(negatives[: hard.numel()])])
     positive_loss = F.binary_cross_entropy_with_logits(positives, torch.ones_like(positives))
-    if negatives.numel() == 0:
-        return positive_loss
-    return 0.5 * (positive_loss + F.binary_cross_entropy_with_logits(negatives, torch.zeros_like(negatives)))
+    per_negative = F.binary_cross_entropy_with_logits(negatives, torch.zeros_like(negatives), reduction="none")
+    count = weights.sum()
+    negative_loss = (per_negative * weights).sum() / count.clamp(min=1)
+    return torch.where(count > 0, 0.5 * (positive_loss + negative_loss), positive_loss)
 
 
 ALIGNER_LOSSES: Dict[str, Tuple[str, Callable[..., Tensor]]] = {
@@ -117,13 +125,24 @@ def is_feature_batch(batch: dict) -> bool:
     return "text_mask" in batch
 
 
-def trim_padding(tokens: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
-    """Drop positions padded in every row (the cache pads to the split's longest caption)."""
-    length = max(1, int(mask.sum(dim=-1).max()))
+def padded_length(mask: Tensor) -> int:
+    """Positions up to the longest row's last real token (at least 1) of a token mask [..., L]."""
+    return max(1, int(mask.sum(dim=-1).max()))
+
+
+def trim_padding(tokens: Tensor, mask: Tensor, length: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Drop positions padded in every row (the cache pads to the split's longest caption): those after `length`,
+    measured on the host before the batch moved, or here (a read of a device value) when None."""
+    length = padded_length(mask) if length is None else length
     return tokens[..., :length, :], mask[..., :length]
 
 
-def aligner_inputs(features: dict, kind: str) -> AlignerInputs:
+def feature_lengths(batch: dict) -> Dict[str, int]:
+    """`padded_length` of the token sets of a host feature batch (`text`, `neg_text`), by entry."""
+    return {key: padded_length(batch[f"{key}_mask"]) for key in ("text", "neg_text") if f"{key}_mask" in batch}
+
+
+def aligner_inputs(features: dict, kind: str, lengths: Optional[Dict[str, int]] = None) -> AlignerInputs:
     """TFLocal reads token sets, TFGlobal the two global embeddings, from a feature batch (cache layout)."""
     negatives = "neg_text" in features
     if kind == "global":
@@ -132,8 +151,10 @@ def aligner_inputs(features: dict, kind: str) -> AlignerInputs:
         return AlignerInputs(features["text_global"][:, None], ones, features["image_global"][:, None],
                              features["image_global"], features["text_global"], neg,
                              ones[:, None].expand(*neg.shape[:2], 1) if negatives else None)
-    text, text_mask = trim_padding(features["text"], features["text_mask"])
-    neg, neg_mask = trim_padding(features["neg_text"], features["neg_text_mask"]) if negatives else (None, None)
+    lengths = lengths or {}
+    text, text_mask = trim_padding(features["text"], features["text_mask"], lengths.get("text"))
+    neg, neg_mask = (trim_padding(features["neg_text"], features["neg_text_mask"], lengths.get("neg_text"))
+                     if negatives else (None, None))
     return AlignerInputs(text, text_mask, features["image"], features["image_global"], features["text_global"],
                          neg, neg_mask)
 
@@ -178,21 +199,31 @@ class AlignerModule(CompositionalCLIPModule):
         self.encoders.eval()
         return self
 
+    def host_work(self, batch: dict) -> dict:
+        """Also the token sets' lengths of a feature batch (under `HOST_LENGTHS`, beside a pixel batch's caption
+        lengths)."""
+        work = super().host_work(batch)
+        if is_feature_batch(batch):
+            work[HOST_LENGTHS] = feature_lengths(batch)
+        return work
+
     @torch.no_grad()
     def encode_batch(self, batch: dict) -> dict:
         """A pixel / token-id batch (CocoDataModule) as the feature cache would give it (float32, unpadded)."""
         image, image_global = frozen_image_features(self.encoders, batch["image"])
         features = {"image": image, "image_global": image_global,
-                    **_text_entries(self.encoders, batch["text"], "text")}
+                    **_text_entries(self.encoders, batch["text"], "text", self.trim_length(batch, "text"))}
         if "neg_text" in batch:
             ids = batch["neg_text"]
-            negatives = _text_entries(self.encoders, ids.flatten(0, 1), "neg_text")
+            negatives = _text_entries(self.encoders, ids.flatten(0, 1), "neg_text", self.trim_length(batch, "neg_text"))
             features.update({key: value.unflatten(0, ids.shape[:2]) for key, value in negatives.items()})
         return features
 
     def compute_terms(self, batch: dict) -> Tuple[Terms, Terms]:
         features = batch if is_feature_batch(batch) else self.encode_batch(batch)
-        inputs = aligner_inputs(features, self.kind)
+        # Token sets trimmed at the lengths measured on the host: a feature batch's, or the captions' (which are the
+        # lengths of the token sets encoded from them, trimmed after the last EOS).
+        inputs = aligner_inputs(features, self.kind, batch.get(HOST_LENGTHS))
         grid, hard = self.score_batch(inputs)
         return {self.term_name: self.objective(grid, hard)}, alignment_report(grid, hard)
 
@@ -201,11 +232,12 @@ class AlignerModule(CompositionalCLIPModule):
         text = self.aligner.embed(inputs.text, TEXT)
         image = self.aligner.embed(inputs.image, IMAGE)
         size = image.shape[0]
-        if self.in_batch_negatives is None:
-            chosen = torch.ones(size, size, dtype=torch.bool, device=image.device)
-        else:
+        if self.in_batch_negatives is None:  # every pair, in the row-major order of nonzero(), without its sync
+            every = torch.arange(size, device=image.device)
+            image_index, text_index = every.repeat_interleave(size), every.repeat(size)
+        else:  # how many pairs the union holds is read back from the device
             chosen = hardest_pairs(inputs.image_global, inputs.text_global, self.in_batch_negatives)
-        image_index, text_index = chosen.nonzero(as_tuple=True)
+            image_index, text_index = chosen.nonzero(as_tuple=True)
         scores = self.aligner.score_pairs(text, inputs.text_mask, image, text_index, image_index)
         grid = torch.full((size, size), float("-inf"), device=scores.device).index_put((image_index, text_index),
                                                                                         scores)
@@ -250,6 +282,7 @@ class TFGlobal(AlignerModule):
     kind = "global"
 
 
-def _text_entries(encoders: CLIPEncoders, ids: Tensor, prefix: str) -> Dict[str, Tensor]:
-    tokens, lengths, pooled = frozen_text_features(encoders, ids)
+def _text_entries(encoders: CLIPEncoders, ids: Tensor, prefix: str, trim: Union[bool, int] = True
+                  ) -> Dict[str, Tensor]:
+    tokens, lengths, pooled = frozen_text_features(encoders, ids, trim)
     return {prefix: tokens, f"{prefix}_mask": length_mask(lengths, tokens.shape[1]), f"{prefix}_global": pooled}
