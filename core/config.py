@@ -571,7 +571,7 @@ def load_config(config_files: Sequence[os.PathLike | str] = (), overrides: Seque
         cfg = _merge(cfg, content, where, methods)
     own_choices = getattr(options, "CHOICES", {})
     _check_choices(cfg, {**_CHOICES, **{f"method.{key}": allowed for key, allowed in own_choices.items()}})
-    # "auto" becomes the number this machine and accelerator get (config.yaml records it).
+    # "auto" becomes the number the host and accelerator give (config.yaml records it).
     cfg.data.num_workers = loader_workers(cfg.data.num_workers, cfg.trainer.accelerator, cfg.trainer.devices)
     return cfg
 
@@ -582,7 +582,7 @@ GPU_ACCELERATORS = ("gpu", "cuda")
 
 
 def uses_gpu(accelerator: str) -> bool:
-    """Whether `trainer.accelerator` trains on a CUDA GPU ("auto": when this machine has one)."""
+    """Whether `trainer.accelerator` trains on a CUDA GPU ("auto": when the host has one)."""
     if accelerator in GPU_ACCELERATORS:
         return True
     if accelerator != "auto":

@@ -48,7 +48,7 @@ WORLD_FILES = ("captions_{split}.json", "swap_{split}.json", "scene_graphs_{spli
 
 # ----- records ------------------------------------------------------------------------------------------------
 def stored_splits(scores: Mapping[str, SplitEval]) -> Dict[str, SplitEval]:
-    """A run's scores as the bundle keeps them: without the cache's fingerprint of this machine's world files
+    """A run's scores as the bundle keeps them: without the cache's fingerprint of the local world files
     (the bundle's `world` checksums stand for it), NaN as null."""
     return json_safe({split: {key: value for key, value in split_scores.items() if key != "data"}
                       for split, split_scores in scores.items()})

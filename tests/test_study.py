@@ -778,7 +778,7 @@ def test_the_bundle_holds_each_run_with_its_digest_backbone_and_outcomes(bundled
     for split in SPLITS:
         for key in ("swap_outcomes", "retrieval_outcomes", "zeroshot_outcomes", "swap", "mechanisms"):
             assert record["splits"][split][key] == cached[split][key], (split, key)
-        assert "data" not in record["splits"][split]  # this machine's file fingerprints stay out
+        assert "data" not in record["splits"][split]  # local file fingerprints stay out
     assert record["splits"]["test"]["mechanisms"] == {"gap": 1.0 + len("test")}
     frozen = read_json_gz(bundle / "study" / "frozen" / "frozen_cosine.json.gz")
     assert frozen["export"]["sha256"] == record["backbone"]["sha256"]
