@@ -90,7 +90,8 @@ def attribution_gap(scorer: ClipScorer, captions_file: Path, image_dir: Path, me
     captions = [annotation["caption"].strip() for annotation in annotations]
     images = torch.stack([scorer.preprocess(load_image(ImageRef(str(image_dir / file_names[a["image_id"]]))))
                           for a in annotations])
-    probe = make_probe(captions, images, scorer.tokenizer(captions), scorer.tokenizer, SceneGraphParser(), "val")
+    probe = make_probe(captions, images, scorer.tokenizer(captions), scorer.tokenizer,
+                       SceneGraphParser().parse(captions), "val")
     encoders = CLIPEncoders(scorer.model.eval())
     attribution = probe_attribution(encoders, probe, image_embeddings(encoders, probe.images), method,
                                     AttributionOptions())
