@@ -17,10 +17,12 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from torch import nn
 
+from core.config import REPO_ROOT
 from datamodules.inputs import InputError
 from datamodules.shapes import SHAPES
 from evaluation.figures import LAYOUT
 from fitting import method_overrides, tiny_config
+from lightning_modules import load_run_config
 from lightning_modules.fit import build_module, run
 from lightning_modules.methods import REGISTRY
 from lightning_modules.monitor import (FIGURE_DPI, AttributionMonitor, ProbeSettings, build_attribution_monitor,
@@ -251,7 +253,25 @@ def test_a_method_on_cached_features_is_refused_when_the_probe_images_are_missin
 
 
 # ----- every registered method, with the monitor as configured --------------------------------------------
-DEFAULT_KINDS = ["attention", "gradient"]  # monitor.attributions of the schema and of every shipped config
+def shipped_configs() -> dict:
+    """Every paper recipe (configs/*.yaml), study overlay of the registry and demo config: label -> config files."""
+    configs = {f"{path.parent.name}/{path.stem}": [path] for folder in ("configs", "configs/demo")
+               for path in sorted((REPO_ROOT / folder).glob("*.yaml"))}
+    for name, entry in REGISTRY.items():
+        configs[entry.recipe] = [REPO_ROOT / entry.recipe]
+        configs[entry.study_overlay] = [REPO_ROOT / "configs/study/finetune.yaml", REPO_ROOT / entry.study_overlay]
+    return configs
+
+
+def test_every_paper_recipe_demo_and_study_config_keeps_the_monitor_on():
+    for label, files in shipped_configs().items():
+        monitor = load_run_config(files, []).monitor
+        assert monitor.every_n_steps > 0 and monitor.attributions and monitor.probe_size > 0, label
+        assert "attention" in monitor.attributions, label  # the one kind every comparison shares
+
+
+
+DEFAULT_KINDS = ["attention"]  # monitor.attributions of the demo's configs, which the tiny runs load
 
 
 def method_run_overrides(method: str, mask_cache: Path) -> list:
@@ -271,7 +291,7 @@ def method_run(request, shapes_root, mask_cache, tmp_path_factory):
 def test_every_registered_method_logs_the_gap_from_step_zero_to_the_last(method_run):
     """A method that stops logging the gap (the monitor switched off, a tag renamed, a step lost) fails here."""
     events, monitor = method_run["events"], method_run["monitor"]
-    assert monitor.attributions == DEFAULT_KINDS
+    assert monitor.attributions == DEFAULT_KINDS and monitor.overlay_images == 1
     for kind in DEFAULT_KINDS:
         for name in GROUPS:
             assert steps_of(events, "Scalars", f"attr/{kind}/{name}") == [0, 3], (kind, name)
