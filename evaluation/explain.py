@@ -8,9 +8,9 @@ image-text pairs.
 
 One PNG with a row per text (evaluation/figures.py): the image in its own colours, the Grad-ECLIP map of S(I, T)
 over it with a colour bar (docs/methods.md#grad-eclip-explanations; `--heads` chooses the paper's single-head map
-or our multi-head variant) and a bar chart of the text attribution (`--attribution`, any of `attribution.ATTRIBUTIONS`, renormalised to sum 1
-over the caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (`--out cat.png` or `--out cat`: cat.png
-and cat.json) and a table on stdout hold the numbers.
+or our multi-head variant) and a bar chart of the text attribution (`--attribution`, any of
+`attribution.ATTRIBUTIONS`, renormalised to sum 1 over the caption's own tokens, SOT/EOS excluded). A JSON beside
+the PNG (`--out cat.png` or `--out cat`: cat.png and cat.json) and a table on stdout hold the numbers.
 
 The model sees, by `--resize`: "aspect" (default, Grad-ECLIP's explanations): the whole image at its own size
 and aspect ratio, its shorter side first brought down to 640 pixels when longer, each side then resized

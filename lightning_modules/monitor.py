@@ -52,7 +52,9 @@ from torch import Tensor
 
 from core.encoders import CLIPEncoders, TextFeatures
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
+from evaluation.explain import token_pieces
 from evaluation.figures import TextPanel, explanation_figure, figure_pixels
+from evaluation.harness import flat_scalars
 from lightning_modules.callbacks import BenchmarkEvaluation, eval_mode
 from modeling.attribution import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs, WordReplacements,
                                   attribution_options, draw_word_replacements, eos_positions, group_means,
@@ -398,8 +400,6 @@ def overlay_figures(module: L.LightningModule, probe: Probe, count: int, method:
                     word_ends: Optional[Tensor]) -> List[np.ndarray]:
     """Explanation figures [H, W, 3] of the first `count` probe pairs: the caption, and beside it its hard negative
     when the probe has one."""
-    from evaluation.explain import token_pieces  # the explain command's token display
-
     count = min(count, len(probe))
     texts = probe.captions[:count] + [negative for negative in probe.negatives[:count] if negative]
     owners = list(range(count)) + [k for k, negative in enumerate(probe.negatives[:count]) if negative]
@@ -462,8 +462,6 @@ def score_tags(trainer: L.Trainer) -> List[str]:
     tags = ["val/loss"]
     for callback in trainer.callbacks:
         if isinstance(callback, BenchmarkEvaluation) and callback.last_results:
-            from evaluation.harness import flat_scalars
-
             tags += sorted(flat_scalars(callback.last_results))
     return tags
 
@@ -665,5 +663,6 @@ def build_attribution_monitor(cfg: DictConfig) -> Optional[AttributionMonitor]:
         return None
     parser = SceneGraphParser(cfg.preprocess.parser_model, cfg.preprocess.parser_batch_size)
     probe = ProbeSettings(cfg.data, cfg.preprocess, monitor.probe_size, cfg.method.hard_negatives.captions > 0)
-    return AttributionMonitor(monitor.every_n_steps, list(monitor.attributions), attribution_options(monitor.attribution),
-                              probe, monitor.overlay_images, monitor.figures_every_n_steps, parser)
+    return AttributionMonitor(monitor.every_n_steps, list(monitor.attributions),
+                              attribution_options(monitor.attribution), probe, monitor.overlay_images,
+                              monitor.figures_every_n_steps, parser)
