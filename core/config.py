@@ -316,18 +316,19 @@ class EvaluationConfig:
 
 @dataclass
 class MonitorConfig:
-    # The attribution-gap monitor (lightning_modules/monitor.py, docs/monitoring.md), on for every method: on a
-    # probe of `probe_size` captions drawn evenly over the validation annotation file (with their images), the
-    # object / attribute / relation attribution and their gap per kind in `attributions`, at step 0, every N
-    # optimizer steps and at the last step (0 = off). 500 keeps its cost at a few percent of a COCO recipe's
-    # training time (measured in docs/performance.md#attribution-monitor).
+    # The attribution-gap monitor (lightning_modules/monitor.py, docs/monitoring.md), on for every method: it
+    # measures at step 0, every N optimizer steps and at the last step (0 = off). 500 keeps its cost at a few
+    # percent of a COCO recipe's training time (docs/performance.md#attribution-monitor).
     every_n_steps: int = 500
+    # The attribution kinds measured (keys of modeling/attribution.py's ATTRIBUTIONS): per kind, the mean attribution
+    # on object / attribute / relation words and the gap A_comp - A_obj.
     attributions: List[str] = field(default_factory=lambda: ["attention", "gradient"])
+    # Probe captions, drawn evenly over the validation annotation file (the training file without one), with images.
     probe_size: int = 64
-    # Explanation figures of the first `overlay_images` probe pairs (image, Grad-ECLIP map, caption, token bars, the
-    # hard negative beside it when the run trains with them) and box plots, at step 0, every N steps and at the
-    # last step (0 = only those two).
+    # Explanation figures of the first K probe pairs (image, Grad-ECLIP map, caption, token bars; the hard negative
+    # beside it when the run trains with them); 0 = none.
     overlay_images: int = 4
+    # Figures and box plots every N steps, besides the first and the last step (0 = only those two).
     figures_every_n_steps: int = 5000
     # The attributions' settings, the same for every method so that runs compare (CLIP-CAE's own training-time
     # attribution is method.attribution).

@@ -117,7 +117,9 @@ def draw_images(place: PanelPlace, image: np.ndarray, panel: TextPanel, heads: s
     heat = place.axes(heat_left, bottom, LAYOUT.image, LAYOUT.image)
     heat.imshow(greyscale(image), cmap="gray", vmin=0, vmax=1)
     heat.imshow(panel.heat_map, cmap=HEAT_COLORMAP, alpha=HEAT_ALPHA, vmin=0, vmax=1)
-    heat.set_title(f"Grad-ECLIP image map, {heads}-head", fontsize=9)
+    # Grad-ECLIP keeps the positive relevance only (a ReLU): a map with none is blank, and says so.
+    blank = "" if panel.heat_map.max() > 0 else "\n(no positive relevance)"
+    heat.set_title(f"Grad-ECLIP image map, {heads}-head{blank}", fontsize=9)
     for axes in (plain, heat):
         axes.axis("off")
     # The bar of an opaque mappable: the heat map's own transparency would fade the bar's colours.

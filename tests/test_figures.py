@@ -35,6 +35,7 @@ def test_the_image_in_its_own_colours_beside_a_uniform_heat_map_over_grey_with_a
     assert np.allclose(grey.get_array(), greyscale(image)) and grey.get_cmap().name == "gray"
     assert heat.get_cmap().name == HEAT_COLORMAP == "inferno" and 0 < heat.get_alpha() < 1  # perceptually uniform
     assert heat.get_clim() == (0, 1)
+    assert [axes.get_title() for axes in figure.axes[:2]] == ["image", "Grad-ECLIP image map, single-head"]
     colour_bars = [axes for axes in figure.axes if axes.get_ylabel() == "relevance (min-max)"]
     assert len(colour_bars) == 1
     texts = [text.get_text() for text in figure.texts]
@@ -65,3 +66,10 @@ def test_panels_side_by_side_and_rows_set_the_size_and_long_captions_widen_them(
     long_tokens = TOKENS * 4  # 32 tokens: wider than the 14 of the narrowest panel
     wide = explanation_figure(image, [[panel("a", tokens=long_tokens)]], "attention", "single", dpi)
     assert wide.get_size_inches()[0] == pytest.approx(LAYOUT.min_width + (32 - 14) * LAYOUT.inches_per_token)
+
+
+def test_a_map_without_positive_relevance_says_so(image):
+    blank = panel("caption")
+    blank.heat_map = np.zeros((8, 12))
+    figure = explanation_figure(image, [[blank]], "attention", "multi")
+    assert figure.axes[1].get_title() == "Grad-ECLIP image map, multi-head\n(no positive relevance)"
