@@ -6,11 +6,11 @@ image-text pairs.
     python -m evaluation.explain --model ViT-B-32 --pretrained openai --image cat.jpg \
         --text "a cat" --attribution gradcam --start-layer -4 --out cat.png
 
-One PNG with a row per text: the image with the Grad-ECLIP map of S(I, T) overlaid
-(docs/methods.md#grad-eclip-explanations; `--heads` chooses the paper's single-head map or our multi-head variant)
-and a bar chart of the text attribution (`--attribution`, any of `attribution.ATTRIBUTIONS`, renormalised to sum 1
-over the caption's own tokens, SOT/EOS excluded). A JSON beside the PNG (`--out cat.png` or `--out cat`: cat.png
-and cat.json) and a table on stdout hold the numbers.
+One PNG with a row per text (evaluation/figures.py): the image in its own colours, the Grad-ECLIP map of S(I, T)
+over it with a colour bar (docs/methods.md#grad-eclip-explanations; `--heads` chooses the paper's single-head map
+or our multi-head variant) and a bar chart of the text attribution (`--attribution`, any of
+`attribution.ATTRIBUTIONS`, renormalised to sum 1 over the caption's own tokens, SOT/EOS excluded). A JSON beside
+the PNG (`--out cat.png` or `--out cat`: cat.png and cat.json) and a table on stdout hold the numbers.
 
 The model sees, by `--resize`: "aspect" (default, Grad-ECLIP's explanations): the whole image at its own size
 and aspect ratio, its shorter side first brought down to 640 pixels when longer, each side then resized
@@ -22,7 +22,6 @@ map lies exactly on what it explains.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import warnings
 from dataclasses import asdict, dataclass
@@ -32,7 +31,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
@@ -42,6 +40,7 @@ from torchvision.transforms import InterpolationMode
 from core.cli import add_output, output_paths
 from core.encoders import BuiltModel, CLIPEncoders, build_model
 from core.files import atomic_write_bytes, atomic_write_text
+from evaluation.figures import TextPanel, explanation_figure, png_bytes
 from modeling.attribution import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
                                                    TextAttributionInputs, eos_positions, image_grad_eclip,
                                                    text_attribution, word_end_table)
@@ -239,28 +238,9 @@ def display_image(pixels: Tensor, preprocess) -> np.ndarray:
 
 
 def plot(image: np.ndarray, rows: Sequence[Explanation], method: str, heads: str) -> Figure:
-    """One row per text: heat map over the image (left), token attribution bars (right)."""
-    figure = Figure(figsize=(11, 3.6 * len(rows)), layout="constrained")
-    FigureCanvasAgg(figure)
-    for row, subfigure in zip(rows, figure.subfigures(len(rows), 1, squeeze=False)[:, 0]):
-        subfigure.suptitle(f'"{row.text}"    S(I,T) = {row.similarity:.4f}')
-        image_axes, bar_axes = subfigure.subplots(1, 2, width_ratios=(1, 2.2))
-        image_axes.imshow(image)
-        image_axes.imshow(row.heat_map, cmap="jet", alpha=0.5, vmin=0, vmax=1)
-        image_axes.set_title(f"Grad-ECLIP image map ({heads} heads)", fontsize=9)
-        image_axes.axis("off")
-        positions = np.arange(len(row.tokens))
-        bar_axes.bar(positions, row.attributions, color="tab:blue")
-        bar_axes.set_xticks(positions, row.tokens, rotation=60 if len(row.tokens) > 12 else 0, fontsize=8)
-        bar_axes.set_ylabel("attribution (sums to 1)")
-        bar_axes.set_title(f"text attribution: {method}", fontsize=9)
-    return figure
-
-
-def png_bytes(figure: Figure) -> bytes:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    return buffer.getvalue()
+    """One panel per text, one text per row (evaluation/figures.py): the image, its heat map and the token bars."""
+    panels = [[TextPanel(row.text, row.similarity, row.tokens, row.attributions, row.heat_map)] for row in rows]
+    return explanation_figure(image, panels, method, heads)
 
 
 def attribution_table(rows: Sequence[Explanation], method: str) -> str:

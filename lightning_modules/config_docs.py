@@ -40,7 +40,7 @@ SECTIONS = {
     "trainer": "Lightning's `Trainer` arguments, passed on as they are unless a line says otherwise.",
     "checkpoint": "Which checkpoints are kept.",
     "evaluation": "Benchmarks scored during training.",
-    "monitor": "The attribution-gap monitor, a callback that works with every method.",
+    "monitor": "The attribution-gap monitor, on for every method (docs/monitoring.md).",
     "preprocess": "The offline preprocessing job (`python -m datamodules.preprocess`) and its cache.",
 }
 

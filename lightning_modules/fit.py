@@ -368,9 +368,23 @@ def precision_problems(cfg: DictConfig) -> List[str]:
 
 
 def data_problems(cfg: DictConfig, method: type) -> List[str]:
-    """The data files this run reads that are missing (the image folders not, for a method on cached features)."""
+    """The data files this run reads that are missing (the image folders not, for a method on cached features,
+    except the one the attribution monitor's probe reads)."""
     reads_features = bool(cfg.data.features_cache) and getattr(method, "reads_cached_features", False)
-    return data_input_problems(cfg.data, need_train=True, need_images=not reads_features)
+    problems = data_input_problems(cfg.data, need_train=True, need_images=not reads_features)
+    return problems + (probe_image_problems(cfg) if reads_features and not problems else [])
+
+
+def probe_image_problems(cfg: DictConfig) -> List[str]:
+    """The attribution monitor's probe images: the validation image folder (the training one without validation)."""
+    if not cfg.monitor.every_n_steps:
+        return []
+    split = "val" if cfg.data.val_annotations else "train"
+    images = cfg.data[f"{split}_images"]
+    if (Path(cfg.data.root) / images).is_dir():
+        return []
+    return [f"data.{split}_images={images}: no directory {Path(cfg.data.root) / images}, where the attribution "
+            f"monitor reads its probe images (monitor.every_n_steps=0 trains without the monitor)"]
 
 
 def mask_problems(cfg: DictConfig, method: type) -> List[str]:

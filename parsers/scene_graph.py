@@ -44,6 +44,7 @@ pulls in neither spaCy nor, through thinc, torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib.metadata
 from dataclasses import dataclass
@@ -951,6 +952,15 @@ def _parse_text(caption: str) -> str:
 
 
 # ----- the parser ---------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def load_pipeline(model: str) -> Any:
+    """The spaCy pipeline `model` without `EXCLUDED_PIPES`, loaded once per process (seconds each time otherwise:
+    every fit builds a parser for the attribution monitor's probe). Parsing does not change it."""
+    import spacy
+
+    return spacy.load(model, exclude=list(EXCLUDED_PIPES))
+
+
 class SceneGraphParser:
     """Parses captions into `SceneGraph`s with one batched spaCy pipeline.
 
@@ -968,9 +978,7 @@ class SceneGraphParser:
     def nlp(self) -> Any:
         """The spaCy pipeline, loaded on first use."""
         if self._nlp is None:
-            import spacy
-
-            self._nlp = spacy.load(self.model, exclude=list(EXCLUDED_PIPES))
+            self._nlp = load_pipeline(self.model)
         return self._nlp
 
     def parse(self, captions: Sequence[str]) -> List[SceneGraph]:

@@ -90,7 +90,8 @@ def attribution_gap(scorer: ClipScorer, captions_file: Path, image_dir: Path, me
     captions = [annotation["caption"].strip() for annotation in annotations]
     images = torch.stack([scorer.preprocess(load_image(ImageRef(str(image_dir / file_names[a["image_id"]]))))
                           for a in annotations])
-    probe = make_probe(captions, images, scorer.tokenizer(captions), scorer.tokenizer, SceneGraphParser(), "val")
+    probe = make_probe(captions, images, scorer.tokenizer(captions), scorer.tokenizer,
+                       SceneGraphParser().parse(captions), "val")
     encoders = CLIPEncoders(scorer.model.eval())
     attribution = probe_attribution(encoders, probe, image_embeddings(encoders, probe.images), method,
                                     AttributionOptions())
@@ -139,7 +140,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(markdown_table(results))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
-    print("\nTensorBoard: tensorboard --logdir runs")
+    print("\nTensorBoard: tensorboard --logdir runs (CUSTOM SCALARS: every row's attribution gap over its steps; "
+          "docs/monitoring.md)")
     print(f"The demo is a quick tour (one seed, no selection). The controlled method study (every method under "
           f"equal conditions, learning rates chosen on validation, 3 seeds, intervals, paired bootstrap against "
           f"CLIP-FT): `make study`, table and plots in {STUDY_REPORT}/results.md (docs/study.md).")

@@ -203,7 +203,8 @@ def attribution_gaps(run: Run, files: SplitFiles, limit: int, device: torch.devi
     images = torch.stack([built.preprocess_val(load_image(ImageRef(str(files.images / file_names[a["image_id"]]))))
                           for a in annotations])
     parser = SceneGraphParser(run.cfg.preprocess.parser_model, run.cfg.preprocess.parser_batch_size)
-    probe = make_probe(captions, images, built.tokenizer(captions), built.tokenizer, parser, files.split)
+    probe = make_probe(captions, images, built.tokenizer(captions), built.tokenizer, parser.parse(captions),
+                       files.split)
     if not bool(probe.valid.any()):
         raise MechanismError(f"run {run.directory}: none of the first {len(probe)} {files.split} captions has both "
                              f"object and composition tokens; the attribution gap is undefined")

@@ -15,6 +15,7 @@ from torchvision import transforms
 from core.encoders import CLIPEncoders, build_model
 from core.export import export_model, load_export
 from testkit.standin.images import write_image
+from evaluation.figures import LAYOUT
 from evaluation.explain import (display_image, explain, main, model_input, prepare_inputs,
                                                    token_pieces)
 from modeling.attribution import (AttributionOptions, TextAttributionInputs, text_attribution,
@@ -26,7 +27,8 @@ MODEL = "ViT-Tiny-16-64"
 CAPTION = "a red square left of a zyxwvut circle"
 CAPTION_PIECES = ["a", "red", "square", "left", "of", "a", "zy", "x", "wv", "ut", "circle"]
 SECOND_CAPTION = "a blue circle"
-DPI_PIXELS_WIDE, ROW_PIXELS_HIGH = 1100, 360  # figsize (11, 3.6 per row) at 100 dpi
+DPI = 100
+DPI_PIXELS_WIDE, ROW_PIXELS_HIGH = 560, 480  # a panel of 5.6 x 4.8 inches per row (evaluation/figures.py)
 PATCH = 16  # ViT-Tiny-16-64: 64 px input, a 4 x 4 patch grid
 OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
@@ -74,10 +76,12 @@ def reference_rows(export_dir: Path, image_path: Path, captions, method: str, op
 
 
 def check_outputs(out: Path, rows: int, expected, stdout: str) -> dict:
+    report = json.loads(out.with_suffix(".json").read_text())
+    # a caption of more tokens than the narrowest panel holds widens the panels (tests/test_figures.py)
+    wide = round(DPI * LAYOUT.width(max(len(row["tokens"]) for row in report["rows"])))
     with Image.open(out) as png:
         png.load()
-        assert png.format == "PNG" and png.size == (DPI_PIXELS_WIDE, ROW_PIXELS_HIGH * rows)
-    report = json.loads(out.with_suffix(".json").read_text())
+        assert png.format == "PNG" and png.size == (max(DPI_PIXELS_WIDE, wide), ROW_PIXELS_HIGH * rows)
     assert len(report["rows"]) == rows
     for row, (similarity, attributions) in zip(report["rows"], expected):
         # a cosine: float32 rounding ~1e-7 of |a| |b| = 1 whatever its size, hence atol = rtol
