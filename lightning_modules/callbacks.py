@@ -14,6 +14,7 @@ import lightning as L
 from omegaconf import OmegaConf
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+import torch
 from torch import nn
 
 from core.export import export_model
@@ -158,8 +159,9 @@ class ExportCallback(L.Callback):
         if not trainer.is_global_zero:
             return
         module.refuse_non_finite_export()
-        path = export_model(module.plain_clip(), module.model_name, self.export_dir,
-                            export_metadata(module.cfg, trainer.global_step), getattr(module, "model_config", None))
+        metadata = {**export_metadata(module.cfg, trainer.global_step), "numerics": training_numerics(trainer)}
+        path = export_model(module.plain_clip(), module.model_name, self.export_dir, metadata,
+                            getattr(module, "model_config", None))
         log.info("exported %s (step %d) to %s", module.model_name, trainer.global_step, path)
 
 
@@ -171,6 +173,18 @@ def export_metadata(cfg, global_step: int) -> dict:
     lora = model.pop("lora")
     return {"method": cfg.method.name, "global_step": global_step, "initialised_from": model["pretrained"],
             "backbone": model, "lora": lora if lora["rank"] else None}
+
+
+def training_numerics(trainer: L.Trainer) -> dict:
+    """What the exact bits of trained weights depend on beyond the config: the device (a CPU's vector
+    instruction set too), the threads per process, the number of processes, the precision and torch's version.
+    The same config trained again with any of these changed gives other weights after a few hundred steps, so a
+    results bundle records them with each backbone (slurm/bundle.py) to say why a regenerated one differs."""
+    device = trainer.strategy.root_device
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu {torch.backends.cpu.get_cpu_capability()}")
+    return {"device": name, "threads": torch.get_num_threads(), "processes": trainer.world_size,
+            "precision": str(trainer.precision), "torch": torch.__version__}
 
 
 @contextmanager

@@ -12,7 +12,7 @@ without this code:
 
 A run record holds `config_digest` (`lightning_modules.resume.config_digest` of the run's resolved config) and
 `config` (the keys that digest covers), `backbone` ({"path", "sha256"} of the export the run started from:
-`model.pretrained`'s weights file), the run's own `export_sha256`, its validation `curves` and its per-split
+`model.pretrained`'s weights file, and the `numerics` it was trained with when its export records them), the run's own `export_sha256`, its validation `curves` and its per-split
 scores with their per-item outcomes. A sweep skips a run whose record matches its config digest and backbone
 checksum, and refuses to go on when either differs (`record_problems`): the bundle then belongs to another study.
 
@@ -84,6 +84,15 @@ def weights_sha256(export_dir: Path) -> Optional[str]:
     return file_sha256(weights) if weights.is_file() else None
 
 
+def export_numerics(weights: Optional[Path]) -> Optional[dict]:
+    """The `numerics` an export's model.json records beside `weights` (device, threads, processes, precision,
+    torch: lightning_modules/callbacks.py), or None (no export folder, or one written before they were kept)."""
+    metadata = Path(weights).parent / EXPORT_METADATA if weights is not None else None
+    if metadata is None or not metadata.is_file():
+        return None
+    return json.loads(metadata.read_text()).get("numerics")
+
+
 def pretrained_weights(pretrained: Optional[str]) -> Optional[Path]:
     """The local weights file a run starts from (`model.pretrained`): an export folder's weights, or the file
     named; None for no weights or a hub tag such as `openai` (a name without a folder)."""
@@ -130,18 +139,30 @@ def config_differences(stored: Mapping[str, Any], now: Mapping[str, Any], limit:
 
 
 def record_problems(record: Mapping[str, Any], digest: str, config: Mapping[str, Any],
-                    backbone_sha256: Optional[str]) -> List[str]:
+                    backbone_sha256: Optional[str], backbone_numerics: Optional[Mapping[str, Any]] = None) -> List[str]:
     """Why a run's stored record does not belong to the run as configured now ([] when it does): another config
     (the differing keys named) or another backbone (its checksum differs: the study was not continued from the
-    same backbone, e.g. one regenerated on another kind of machine)."""
+    same backbone). A backbone retrained from the same config differs when it was trained on another device, CPU
+    instruction set, thread count or torch version; where both sides recorded these, the difference is named."""
     problems = []
     if record.get("config_digest") != digest:
         differences = config_differences(record.get("config") or {}, config)
         problems.append("its config differs from the bundle's record: "
                         + ("; ".join(differences) if differences else "same keys, another digest"))
-    stored = (record.get("backbone") or {}).get("sha256")
-    if stored != backbone_sha256:
-        path = (record.get("backbone") or {}).get("path")
-        problems.append(f"its backbone {path} has sha256 {backbone_sha256} here, and {stored} in the bundle: not "
-                        "the backbone the bundled runs started from")
+    stored = record.get("backbone") or {}
+    if stored.get("sha256") != backbone_sha256:
+        problems.append(f"its backbone {stored.get('path')} has sha256 {backbone_sha256} here, and "
+                        f"{stored.get('sha256')} in the bundle: not the backbone the bundled runs started from"
+                        + numerics_difference(stored.get("numerics"), backbone_numerics))
     return problems
+
+
+def numerics_difference(stored: Optional[Mapping[str, Any]], now: Optional[Mapping[str, Any]]) -> str:
+    """How the two backbones' training differed numerically, as a clause for `record_problems`."""
+    if not stored or not now:
+        return (" (a backbone trained again gives the same bits only on the same device, CPU instruction set, "
+                "thread count and torch version; the bundle's backbones carry no record of those)")
+    differences = config_differences(stored, now)
+    if not differences:
+        return " (trained with the same device, threads and torch: its config or data differ)"
+    return " (trained differently: " + "; ".join(differences) + ")"

@@ -71,7 +71,7 @@ import yaml
 from core.cli import add_key_values, key_value_sections, refuse_renamed
 from core.config import GPU_ACCELERATORS, ConfigError
 from core.files import atomic_write_text
-from slurm.bundle import file_sha256, pretrained_weights, read_run_record, record_problems
+from slurm.bundle import export_numerics, file_sha256, pretrained_weights, read_run_record, record_problems
 from slurm.runs import RUN_LOG, SWEEP_FILE, export_complete
 
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
@@ -303,7 +303,7 @@ def bundle_status(bundle: Path, sweep_name: str, run: Run, runs_root: str) -> Tu
     if weights is not None and not weights.is_file():
         return UNCHECKED, [str(weights)]
     problems = record_problems(record, config_digest(config), result_keys(config),
-                               file_sha256(weights) if weights is not None else None)
+                               file_sha256(weights) if weights is not None else None, export_numerics(weights))
     return (DIFFERS, problems) if problems else (BUNDLED, [])
 
 

@@ -26,6 +26,7 @@ from slurm.bundle import (
     RUNS_DIR,
     SWEEP_DOCUMENT,
     config_differences,
+    export_numerics,
     file_sha256,
     frozen_record_path,
     pretrained_weights,
@@ -65,7 +66,8 @@ def run_config(run_dir: Path) -> dict:
 
 
 def backbone_of(config: Mapping[str, object], where: str) -> Optional[dict]:
-    """{"path", "sha256"} of the weights the run started from (`model.pretrained`); None without local weights."""
+    """{"path", "sha256"} of the weights the run started from (`model.pretrained`), with the `numerics` its export
+    records (what its exact bits depend on: slurm/bundle.py); None without local weights."""
     pretrained = config["model"]["pretrained"]
     weights = pretrained_weights(pretrained)
     if weights is None:
@@ -73,7 +75,8 @@ def backbone_of(config: Mapping[str, object], where: str) -> Optional[dict]:
     if not weights.is_file():
         raise StudyError(f"{where}: its backbone {weights} is not here, so its checksum cannot be recorded (train "
                          "the backbones first)")
-    return {"path": pretrained, "sha256": file_sha256(weights)}
+    numerics = export_numerics(weights)
+    return {"path": pretrained, "sha256": file_sha256(weights), **({"numerics": numerics} if numerics else {})}
 
 
 def run_record(run_dir: Path, name: str, choices: Mapping[str, str], scores: Mapping[str, SplitEval],
@@ -371,7 +374,9 @@ Python standard library (`gzip`, `json`); recomputing an interval needs numpy as
   workers, device and node counts, logging, evaluation, monitor and resume settings, the per-device batches:
   `lightning_modules.resume.result_keys`), as canonical JSON (sorted keys, no spaces); `config`: those keys.
 - `backbone`: `{"path", "sha256"}` of the weights it started from (`model.pretrained`; `sha256sum
-  runs/study/backbones/seed-0/export/open_clip.pt`); `export_sha256`: its own exported weights.
+  runs/study/backbones/seed-0/export/open_clip.pt`) and, where that export records them, the `numerics` it was
+  trained with (device and CPU instruction set, threads, processes, precision, torch version); `export_sha256`:
+  its own exported weights.
 - `curves`: `{metric: [steps, values]}`, its validation curves (`eval/shapes_swap/<metric>` in TensorBoard).
 - `splits`: per split (`val` for every run; `test` and `test_unseen` for the study's runs) its aggregates and
   per-item outcomes, and `mechanisms` (the method's mechanism metrics, where measured; null elsewhere):
@@ -387,7 +392,10 @@ Python standard library (`gzip`, `json`); recomputing an interval needs numpy as
 A sweep with `bundle: results/study` (`python -m slurm.sweep ...`) skips every run whose record holds its config
 digest and its backbone's sha256, and stops, naming the runs and the keys, when a record differs: the backbones
 regenerated in a later sitting must have the checksums recorded here, which proves the sitting continued the
-same study.
+same study. They do only where they are trained as these were: the same config and world, but also the same
+device, CPU instruction set, thread count and torch version (one thread against two, or AVX2 against AVX-512,
+gives other weights after a few hundred steps). Elsewhere, carry the backbone exports along, or start a study of
+your own.
 
 ## The numbers and their intervals
 

@@ -118,6 +118,10 @@ def test_export_loads_in_plain_open_clip_with_identical_features(shapes_root, tm
     export_dir = tmp_path / "demo_pretrain" / "export"
     meta = json.loads((export_dir / "model.json").read_text())
     assert meta["model"] == TINY and meta["global_step"] == 3
+    # What the weights' exact bits depend on beyond the config, for a results bundle to compare.
+    assert meta["numerics"] == {"device": f"cpu {torch.backends.cpu.get_cpu_capability()}", "processes": 1,
+                                "threads": torch.get_num_threads(), "precision": "32-true",
+                                "torch": torch.__version__}
     open_clip.add_model_config(export_dir / "model_configs")
     model, _, preprocess = open_clip.create_model_and_transforms(
         meta["model"], pretrained=str(export_dir / "open_clip.pt"))

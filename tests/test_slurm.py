@@ -422,6 +422,19 @@ def test_a_record_of_another_config_or_backbone_stops_the_sweep_before_anything_
     (tmp_path / "backbone" / "export" / "open_clip.pt").write_bytes(b"a backbone trained again, differently")
     message = refusal([str(path), "--dry-run"])
     assert "tasks 0 (seed-0), 1 (seed-1): its backbone" in message and "not the backbone the bundled runs" in message
+    assert "carry no record of those" in message
+    # Where both exports record how they were trained, the refusal names what differed.
+    from slurm.bundle import run_record_path, write_json_gz
+
+    numerics = {"device": "cpu AVX512", "threads": 1, "processes": 1, "precision": "32-true", "torch": "2.5.1"}
+    for index in (0, 1):
+        record = write_record(sweep, index)
+        record["backbone"].update(sha256="0" * 64, numerics=numerics)
+        write_json_gz(run_record_path(Path(sweep.bundle), sweep.name, sweep.runs[index].name), record)
+    (tmp_path / "backbone" / "export" / "model.json").write_text(json.dumps(
+        {"model": "ViT-Tiny-16-64", "weights": "open_clip.pt", "numerics": {**numerics, "threads": 2}}))
+    message = refusal([str(path), "--dry-run"])
+    assert "(trained differently: threads: 1 (bundle) -> 2 (now))" in message
     shutil.rmtree(tmp_path / "backbone")  # not trained yet: cannot be checked here
     message = refusal([str(path), "--local"])
     assert "is not here, so its record" in message and "train the backbones first" in message
