@@ -242,9 +242,9 @@ def test_a_non_finite_loss_found_late_is_still_never_saved(shapes_root, tmp_path
 
 
 def test_diverging_weights_are_not_saved_and_the_cli_says_so(shapes_root, tmp_path):
-    """lr 50 overflows the weights in a step or two; nothing non-finite may reach a checkpoint, the directory
+    """lr 1e30 overflows the weights in a step or two; nothing non-finite may reach a checkpoint, the directory
     stays, and the CLI says what happened without a traceback."""
-    result = subprocess.run(fit_command(shapes_root, 20, "optim.lr=50", "optim.warmup_steps=1",
+    result = subprocess.run(fit_command(shapes_root, 20, "optim.lr=1e30", "optim.warmup_steps=1",
                                         "checkpoint.every_n_steps=1"), cwd=tmp_path, env=cli_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 1 and "training stopped: non-finite" in result.stderr
