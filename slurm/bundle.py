@@ -12,8 +12,8 @@ without this code:
 
 A run record holds `config_digest` (`lightning_modules.resume.config_digest` of the run's resolved config) and
 `config` (the keys that digest covers), `backbone` ({"path", "sha256"} of the export the run started from:
-`model.pretrained`'s weights file, and the `numerics` it was trained with when its export records them), the run's own `export_sha256`, its validation `curves` and its per-split
-scores with their per-item outcomes. A sweep skips a run whose record matches its config digest and backbone
+`model.pretrained`'s weights file, and the `numerics` it was trained with when its export records them), the
+run's own `export_sha256`, its validation `curves` and its per-split scores with their per-item outcomes. A sweep skips a run whose record matches its config digest and backbone
 checksum, and refuses to go on when either differs (`record_problems`): the bundle then belongs to another study.
 
 Every file is written deterministically (sorted keys, gzip without a time stamp), so an unchanged record is an
