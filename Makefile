@@ -83,7 +83,8 @@ gpu-prepare: setup
 # seed (72 runs: 3.5 hours on a fast 2-core machine, 8 on a slow one), its one-seed checks (10 runs), the report,
 # the results bundle (results/study: commit it) and the page made from it (docs/study_results.md). Every step
 # resumes: finished runs are skipped, and so are the runs whose results the bundle holds (a clean clone continues
-# where the bundle stopped, once the backbones are trained again: their checksums must be the bundle's).
+# where the bundle stopped from the backbone the bundle carries: `study.restore` puts it back before the backbones
+# sweep, which then skips it).
 # STUDY_ONLY runs part of the grid, e.g. `make study STUDY_ONLY="only.method=clip_ft"` (the report lists the rest
 # as missing). `make clean-study` starts over (it keeps the bundle).
 STUDY_ONLY ?=
@@ -91,6 +92,7 @@ STUDY_BUNDLE := results/study
 
 study: setup $(STUDY)/annotations/heldout.json
 	$(PY) -m datamodules.preprocess --config configs/study/finetune.yaml
+	$(PY) -m study.restore --bundle $(STUDY_BUNDLE)
 	$(PY) -m slurm.sweep configs/sweeps/study_backbones.yaml --local --jobs $(STUDY_JOBS)
 	$(PY) -m datamodules.features --config configs/study/finetune.yaml --config configs/study/with_negatives.yaml \
 		--config configs/study/tflocal.yaml

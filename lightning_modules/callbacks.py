@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import statistics
 import time
 from collections import deque
@@ -175,15 +176,35 @@ def export_metadata(cfg, global_step: int) -> dict:
             "backbone": model, "lora": lora if lora["rank"] else None}
 
 
+def cpu_model() -> str:
+    """The CPU's vendor, family and model as /proc/cpuinfo names them (e.g. `AuthenticAMD family 26 model 2`),
+    else what `platform` knows. Two CPUs with the same vector instruction set but of other generations pick other
+    matrix-multiply kernels, so this is part of what trained bits depend on."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's block is enough
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    if "vendor_id" in fields:
+        return f"{fields['vendor_id']} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    return platform.processor() or platform.machine()
+
+
 def training_numerics(trainer: L.Trainer) -> dict:
-    """What the exact bits of trained weights depend on beyond the config: the device (a CPU's vector
-    instruction set too), the threads per process, the number of processes, the precision and torch's version.
-    The same config trained again with any of these changed gives other weights after a few hundred steps, so a
-    results bundle records them with each backbone (slurm/bundle.py) to say why a regenerated one differs."""
+    """What the exact bits of trained weights depend on beyond the config: the device (for a CPU its vector
+    instruction set and its generation), the threads per process, the number of processes, the precision and
+    torch's version. The same config trained again with any of these changed gives other weights after a few
+    hundred steps, so a results bundle records them with each backbone (slurm/bundle.py) to say why a regenerated
+    one differs."""
     device = trainer.strategy.root_device
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu {torch.backends.cpu.get_cpu_capability()}")
-    return {"device": name, "threads": torch.get_num_threads(), "processes": trainer.world_size,
+    return {"device": name, "cpu": cpu_model(), "threads": torch.get_num_threads(), "processes": trainer.world_size,
             "precision": str(trainer.precision), "torch": torch.__version__}
 
 

@@ -247,22 +247,22 @@ def run_target(run: GridRun, with_mechanisms: bool) -> Target:
 
 
 def frozen_targets(study: Study, stored: Collection[str] = ()) -> List[Target]:
-    """One target per frozen row, each cached under <sweep>/study_frozen/<label>/ (the backbone is not ours);
-    none when every row is `stored` (its scores are in a results bundle) and the backbone is not here."""
+    """One target per frozen row not yet `stored`, each cached under <sweep>/study_frozen/<label>/ (the backbone
+    is not ours). A row is scored once: a row whose scores a results bundle holds keeps them, so a later sitting
+    on another CPU does not replace them with bits of its own."""
     frozen = study.settings.frozen
-    if not (frozen.export / "model.json").is_file():
-        if set(frozen.rows) <= set(stored):
-            return []
+    rows = {label: scorer for label, scorer in frozen.rows.items() if label not in stored}
+    if rows and not (frozen.export / "model.json").is_file():
         raise StudyError(f"study.frozen.backbone: no export at {frozen.export} (train the backbone first)")
-    return [Target(label, frozen.export, scorer, frozen_cache(study, label)) for label, scorer in frozen.rows.items()]
+    return [Target(label, frozen.export, scorer, frozen_cache(study, label)) for label, scorer in rows.items()]
 
 
 def validity_targets(study: Study, stored: Collection[str] = ()) -> List[Target]:
-    """One target per validity backbone (global cosine), cached under <sweep>/study_frozen/validity_<i>/; a
-    backbone whose export is not here but whose scores are `stored` is left out."""
+    """One target per validity backbone not yet `stored` (global cosine), cached under
+    <sweep>/study_frozen/validity_<i>/. Like a frozen row, a backbone is scored once: one trained again in a later
+    sitting (other bits on another CPU) leaves the bundle's scores of the first as they are."""
     validity = study.settings.validity
-    pairs = [(name, export) for name, export in zip(validity.names(), validity.backbones)
-             if (export / "model.json").is_file() or name not in stored]
+    pairs = [(name, export) for name, export in zip(validity.names(), validity.backbones) if name not in stored]
     absent = [str(export) for _, export in pairs if not (export / "model.json").is_file()]
     if absent:
         raise StudyError(f"study.validity.backbones: no export at {absent} (train the backbones first)")

@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from slurm.bundle import (
     FORMAT,
+    carry_backbone,
     FROZEN_DIR,
     README,
     REPORT_DOCUMENT,
@@ -27,6 +28,7 @@ from slurm.bundle import (
     SWEEP_DOCUMENT,
     config_differences,
     export_numerics,
+    export_weights,
     file_sha256,
     frozen_record_path,
     pretrained_weights,
@@ -88,6 +90,7 @@ def run_record(run_dir: Path, name: str, choices: Mapping[str, str], scores: Map
     return {"format": FORMAT, "name": name, "choices": dict(choices), "config_digest": config_digest(config),
             "config": json_safe(result_keys(config)), "backbone": backbone_of(config, name),
             "export_sha256": weights_sha256(Path(run_dir) / "export"),
+            "numerics": export_numerics(export_weights(Path(run_dir) / "export")),
             "curves": {metric: [list(steps), list(values)] for metric, (steps, values) in sorted(curves.items())},
             "splits": stored_splits(scores), "errors": list(errors)}
 
@@ -255,15 +258,17 @@ def fresh_records(study: Study, evaluations: Evaluations, grid_runs: Sequence, c
     return records
 
 
-def fresh_frozen_records(study: Study, evaluations: Evaluations) -> Dict[str, dict]:
-    """A record for every frozen row and validity backbone whose export is here and which was scored."""
+def fresh_frozen_records(study: Study, evaluations: Evaluations, stored: Collection[str] = ()) -> Dict[str, dict]:
+    """A record for every frozen row and validity backbone whose export is here and which was scored in this
+    sitting (not one of the `stored` rows, which are never scored again: study.analysis.frozen_targets)."""
     settings, rows = study.settings, []
     if settings.frozen:
         rows += [(label, settings.frozen.export, scorer) for label, scorer in settings.frozen.rows.items()]
     if settings.validity:
         rows += [(name, export, "clip") for name, export in zip(settings.validity.names(), settings.validity.backbones)]
     return {name: frozen_record(name, export, scorer, evaluations.scores[name], evaluations.errors.get(name, []))
-            for name, export, scorer in rows if (export / "model.json").is_file() and name in evaluations.scores}
+            for name, export, scorer in rows
+            if (export / "model.json").is_file() and name in evaluations.scores and name not in stored}
 
 
 def merged(stored: Mapping[str, dict], fresh: Mapping[str, dict], kind: str) -> Dict[str, dict]:
@@ -295,7 +300,7 @@ def update_bundle(bundle: Path, study: Study, evaluations: Evaluations,
     choices = {entry["name"]: entry.get("choices") or {} for document in (main, checks) if document
                for entry in document["runs"]}
     runs = merged(stored_runs, fresh_records(study, evaluations, study.runs + study.checks, choices), RUNS_DIR)
-    frozen = merged(stored_frozen, fresh_frozen_records(study, evaluations), FROZEN_DIR)
+    frozen = merged(stored_frozen, fresh_frozen_records(study, evaluations, stored_frozen), FROZEN_DIR)
     check_names = {run.name for run in study.checks}
     for document in (main, checks):
         if document is None:
@@ -306,6 +311,8 @@ def update_bundle(bundle: Path, study: Study, evaluations: Evaluations,
                 write_json_gz(run_record_path(bundle, document["name"], name), record)
     for name, record in frozen.items():
         write_json_gz(frozen_record_path(bundle, main["name"], name), record)
+    for record in runs.values():
+        carry_backbone(bundle, main["name"], record["backbone"])
     write_json(sweep_folder(bundle, main["name"]) / REPORT_DOCUMENT,
                report_document(study, evaluations, selections, findings, validity))
     atomic_write_text(Path(bundle) / README, BUNDLE_README)
@@ -365,6 +372,8 @@ Python standard library (`gzip`, `json`); recomputing an interval needs numpy as
 - `sweep/frozen/<row>.json.gz`: the rows scored from a backbone without training (`frozen_cosine`: the global
   cosine of the backbone every run starts from; `sgi`) and the validity backbones (`validity_<i>`: pretraining
   seed i).
+- `sweep/backbones/<sha256[:16]>/`: the backbone every run started from, carried so a later sitting can continue
+  (below).
 - `sweep/report.json`: the numbers the page shows: `selection`, `summaries`, `comparisons` (paired differences),
   `tradeoffs`, `checks`, `validity`, `missing`, and the `bootstrap` settings.
 
@@ -375,8 +384,8 @@ Python standard library (`gzip`, `json`); recomputing an interval needs numpy as
   `lightning_modules.resume.result_keys`), as canonical JSON (sorted keys, no spaces); `config`: those keys.
 - `backbone`: `{"path", "sha256"}` of the weights it started from (`model.pretrained`; `sha256sum
   runs/study/backbones/seed-0/export/open_clip.pt`) and, where that export records them, the `numerics` it was
-  trained with (device and CPU instruction set, threads, processes, precision, torch version); `export_sha256`:
-  its own exported weights.
+  trained with (device, CPU instruction set and generation, threads, processes, precision, torch version);
+  `export_sha256`: its own exported weights; `numerics`: what its own training ran with (as for the backbone).
 - `curves`: `{metric: [steps, values]}`, its validation curves (`eval/shapes_swap/<metric>` in TensorBoard).
 - `splits`: per split (`val` for every run; `test` and `test_unseen` for the study's runs) its aggregates and
   per-item outcomes, and `mechanisms` (the method's mechanism metrics, where measured; null elsewhere):
@@ -390,12 +399,17 @@ Python standard library (`gzip`, `json`); recomputing an interval needs numpy as
 - `errors`: what went wrong while scoring or measuring it.
 
 A sweep with `bundle: results/study` (`python -m slurm.sweep ...`) skips every run whose record holds its config
-digest and its backbone's sha256, and stops, naming the runs and the keys, when a record differs: the backbones
-regenerated in a later sitting must have the checksums recorded here, which proves the sitting continued the
-same study. They do only where they are trained as these were: the same config and world, but also the same
-device, CPU instruction set, thread count and torch version (one thread against two, or AVX2 against AVX-512,
-gives other weights after a few hundred steps). Elsewhere, carry the backbone exports along, or start a study of
-your own.
+digest and its backbone's sha256, and stops, naming the runs and the keys, when a record differs: a later sitting
+must start from the very backbone recorded here, which proves it continued the same study. A backbone trained
+again has these bits only where it is trained as this one was: the same config and world, but also the same device,
+CPU generation, thread count and torch version (one thread against two, or one CPU generation against another,
+gives other weights after a few hundred steps). So the bundle carries it: `sweep/backbones/<sha256[:16]>/` holds
+the export's files as they were (`model.json`, `model_configs/`), its weights gzipped (`open_clip.pt.gz`) and
+`source.json` (`path`, `weights`, `sha256`); `python -m study.restore --bundle results/study` (the first step of
+`make study`) writes it back to `path`, checked against `sha256`. The runs of a later sitting on another machine
+then differ from this sitting's only in the last bits of their own training, which each record names (`numerics`).
+The frozen rows and validity backbones are scored once and kept: a validity backbone trained again elsewhere does
+not replace the scores of the first.
 
 ## The numbers and their intervals
 

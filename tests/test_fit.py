@@ -19,6 +19,7 @@ from lightning_modules import load_run_config
 from core.export import load_export
 from lightning_modules import METHODS
 from lightning_modules.base import NonFiniteLossError, total_loss
+from lightning_modules.callbacks import cpu_model
 from lightning_modules.fit import build_module, run
 from fitting import (NEEDS_MASKS, STEPS_PER_EPOCH, TINY, NanAtStep, a_batch, exported_state, method_overrides,
                      tiny_config)
@@ -119,7 +120,8 @@ def test_export_loads_in_plain_open_clip_with_identical_features(shapes_root, tm
     meta = json.loads((export_dir / "model.json").read_text())
     assert meta["model"] == TINY and meta["global_step"] == 3
     # What the weights' exact bits depend on beyond the config, for a results bundle to compare.
-    assert meta["numerics"] == {"device": f"cpu {torch.backends.cpu.get_cpu_capability()}", "processes": 1,
+    assert meta["numerics"] == {"device": f"cpu {torch.backends.cpu.get_cpu_capability()}", "cpu": cpu_model(),
+                                "processes": 1,
                                 "threads": torch.get_num_threads(), "precision": "32-true",
                                 "torch": torch.__version__}
     open_clip.add_model_config(export_dir / "model_configs")

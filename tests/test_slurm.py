@@ -437,7 +437,7 @@ def test_a_record_of_another_config_or_backbone_stops_the_sweep_before_anything_
     assert "(trained differently: threads: 1 (bundle) -> 2 (now))" in message
     (tmp_path / "backbone" / "export" / "model.json").write_text(json.dumps(
         {"model": "ViT-Tiny-16-64", "weights": "open_clip.pt", "numerics": numerics}))
-    assert "(trained with the same device, threads and torch: its config or data differ)" in refusal(
+    assert "(trained with the same recorded numerics: its config, data or other libraries differ)" in refusal(
         [str(path), "--dry-run"])
     shutil.rmtree(tmp_path / "backbone")  # not trained yet: cannot be checked here
     message = refusal([str(path), "--local"])

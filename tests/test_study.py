@@ -7,6 +7,7 @@ stored outcomes. One test scores real (random-weight, tiny) exports end to end t
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -891,6 +892,54 @@ def test_a_later_sitting_reads_the_runs_whose_folders_are_gone_from_the_bundle(t
     for title in ("## Scores on `test`", "## Selection on `val`", "## Paired differences",
                   "## Composition against recognition", "## Mechanisms on `test`"):
         assert section_of(second, title) == section_of(first, title), title
+
+
+def test_the_bundle_carries_the_backbone_and_a_later_sitting_continues_from_it(tmp_path):
+    """Trained again on another CPU, a backbone has other bits: the bundle keeps the one its runs started from, and
+    `study.restore` puts it back, checked by its sha256, so the sweep and the report go on with the same study."""
+    from slurm.bundle import file_sha256
+    from study import restore
+
+    sweep = add_validity(tmp_path, make_sweep(tmp_path))
+    bundle = tmp_path / "results"
+    report_with_bundle(sweep, bundle, tmp_path / "first")
+    export = tmp_path / "backbone" / "export"
+    weights, sha256 = (export / "open_clip.pt").read_bytes(), file_sha256(export / "open_clip.pt")
+    carried = bundle / "study" / "backbones" / sha256[:16]
+    assert json.loads((carried / "source.json").read_text()) == {
+        "path": str(export), "weights": "open_clip.pt", "sha256": sha256, "folder": True}
+    assert (carried / "model.json").read_text() == (export / "model.json").read_text()
+    assert not (carried / "open_clip.pt").exists() and (carried / "open_clip.pt.gz").is_file()
+    before = {path: path.read_bytes() for path in bundle.rglob("*") if path.is_file()}
+
+    shutil.rmtree(tmp_path / "backbone")  # a new sitting: no backbone here
+    assert restore.main(["--bundle", str(bundle)]) == [f"{export}: restored from {carried} (sha256 {sha256[:16]}...)"]
+    assert (export / "open_clip.pt").read_bytes() == weights and (export / "model.json").is_file()
+    assert "already here" in restore.main(["--bundle", str(bundle)])[0]
+    report_with_bundle(sweep, bundle, tmp_path / "second")
+    assert {path: path.read_bytes() for path in bundle.rglob("*") if path.is_file()} == before
+
+    (export / "open_clip.pt").write_bytes(b"trained again elsewhere")
+    with pytest.raises(SystemExit, match=r"open_clip.pt has sha256 \w+, and the bundle's backbone \w+: it is another"):
+        restore.main(["--bundle", str(bundle)])
+    shutil.rmtree(tmp_path / "backbone")
+    (carried / "open_clip.pt.gz").write_bytes(gzip.compress(b"damaged"))
+    with pytest.raises(SystemExit, match="the bundle is damaged"):
+        restore.main(["--bundle", str(bundle)])
+    assert not (tmp_path / "backbone" / "export").exists() and not (tmp_path / "backbone" / "export.restoring").exists()
+
+
+def test_a_validity_backbone_trained_again_keeps_the_bundles_scores(tmp_path):
+    """Frozen rows and validity backbones are scored once: a later sitting whose backbone of pretraining seed 1 has
+    other bits (trained again on another CPU) leaves the bundle's record of the first as it is."""
+    sweep = add_validity(tmp_path, make_sweep(tmp_path))
+    bundle = tmp_path / "results"
+    report_with_bundle(sweep, bundle, tmp_path / "first")
+    record = (bundle / "study" / "frozen" / "validity_1.json.gz").read_bytes()
+    (tmp_path / "pretrain_seed1" / "export" / "open_clip.pt").write_bytes(b"other bits")
+    shutil.rmtree(sweep / FROZEN_DIR / "validity_1")  # no cached scores: scoring it would fail on a fake export
+    report_with_bundle(sweep, bundle, tmp_path / "second")
+    assert (bundle / "study" / "frozen" / "validity_1.json.gz").read_bytes() == record
 
 
 def test_a_run_of_another_config_or_world_is_refused_and_nothing_is_written(bundled, tmp_path):
