@@ -942,6 +942,36 @@ def test_a_validity_backbone_trained_again_keeps_the_bundles_scores(tmp_path):
     assert (bundle / "study" / "frozen" / "validity_1.json.gz").read_bytes() == record
 
 
+def test_two_bundles_are_compared_item_by_item(bundled, tmp_path, capsys):
+    """`study.compare` counts the swap items whose outcome differs between two sittings' records of a run."""
+    from slurm.bundle import read_json_gz, write_json_gz
+    from study import compare
+
+    _, _, bundle, _ = bundled
+    other = tmp_path / "other"
+    shutil.copytree(bundle, other)
+    name = "method-clip_ft_negatives-with_lr-0.001_seed-0"
+    path = other / "study" / "runs" / f"{name}.json.gz"
+    record = read_json_gz(path)
+    for item in record["splits"]["test"]["swap_outcomes"][:3]:
+        item["text_i0"] = 1 - item["text_i0"]
+    record["config_digest"] = "another"
+    write_json_gz(path, record)
+    rows = compare.main([str(bundle), str(other), "--out", str(tmp_path / "compare.md")])
+    changed = [row for row in rows if row.differing]
+    assert [(row.name, row.split, row.differing, row.items) for row in changed] == [(name, "test", 3, ITEMS)]
+    assert changed[0].same_config is False and changed[0].same_backbone is True
+    items = sum(len(read_json_gz(p)["splits"][split]["swap_outcomes"]) for p in bundle.rglob("*.json.gz")
+                for split in read_json_gz(p)["splits"])
+    assert compare.totals(rows) == (items, 3)
+    out = capsys.readouterr().out
+    assert f"3 of {items} per-item swap outcomes differ" in out and f"another config (not a comparison of numerics): " \
+        f"{name}" in out
+    assert (tmp_path / "compare.md").read_text() == out
+    with pytest.raises(SystemExit, match="is not a results bundle folder"):
+        compare.main([str(bundle), str(tmp_path / "nowhere")])
+
+
 def test_a_run_of_another_config_or_world_is_refused_and_nothing_is_written(bundled, tmp_path):
     root, sweep, bundle, _ = bundled
     copy = tmp_path / "results"
