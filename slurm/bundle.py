@@ -18,9 +18,9 @@ run's own `export_sha256`, its validation `curves` and its per-split scores with
 skips a run whose record matches its config digest and backbone checksum, and refuses to go on when either differs
 (`record_problems`): the bundle then belongs to another study.
 
-A run's exact bits depend on the CPU generation that trained its backbone, so a backbone trained again in a later
-sitting on another machine is another backbone. The bundle therefore carries the backbone its runs started from
-(`carry_backbone`) and `restore_backbones` puts it back where the runs expect it: a later sitting continues the same
+A backbone's exact bits depend on the machine that trained it (CPU generation, threads, torch), so one trained again
+in a later sitting on another machine is another backbone. The bundle therefore carries the backbone its runs started
+from (`carry_backbone`) and `restore_backbone` puts it back where the runs expect it: a later sitting continues the same
 study on any machine (its own runs then differ from the earlier ones only in their last bits, recorded per run).
 
 Every file is written deterministically (sorted keys, gzip without a time stamp), so an unchanged record is an
