@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from core.cli import add_output
 from core.files import atomic_write_text
 from slurm.bundle import FROZEN_DIR, RUNS_DIR, read_records
 
@@ -106,7 +107,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("old", type=Path, help="a results bundle (e.g. an older commit's results/study)")
     parser.add_argument("new", type=Path, help="another results bundle of the same design")
-    parser.add_argument("--out", type=Path, help="write the Markdown table here too")
+    add_output(parser, "file", help="write the Markdown table here too")
     return parser.parse_args(argv)
 
 
