@@ -99,7 +99,7 @@ study: setup $(STUDY)/annotations/heldout.json
 	$(PY) -m slurm.sweep configs/sweeps/study.yaml --local --jobs $(STUDY_JOBS) $(STUDY_ONLY)
 	$(PY) -m slurm.sweep configs/sweeps/study_checks.yaml --local --jobs $(STUDY_JOBS)
 	$(PY) -m study --sweep runs/study/sweep --mechanism-limit 64 --mechanism-splits test --bundle $(STUDY_BUNDLE)
-	$(PY) -m study.page --bundle $(STUDY_BUNDLE) --out docs/study_results.md
+	$(PY) -m study.page --bundle $(STUDY_BUNDLE) --out docs/study_results.md --readme README.md
 
 # The world where relation direction is learnable: relations stated one way in the captions, 32 px images.
 $(STUDY)/annotations/heldout.json: | $(STAMP)

@@ -4,7 +4,8 @@ The page is the study report's Markdown (`study.report`: testbed validity, score
 differences, the composition / recognition trade-off, the checks beside each row, mechanisms, validation curves,
 missing runs), made from the results bundle alone (`study/bundle.py`): no run folder and no world is read, so a
 clean clone makes the committed page again, byte for byte (tests/test_study.py checks it). Its figures go to
-`images/` beside the page, as `study_<name>.png` (`--no-plots`: the page alone).
+`images/` beside the page, as `study_<name>.png` (`--no-plots`: the page alone). With `--readme README.md`, the
+README's headline block is rewritten from the same numbers (`study/headline.py`).
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from core.cli import add_output
+from core.files import atomic_write_text
 from study.analysis import select_settings
 from study.bundle import bundled_study, load_bundle
-from study.report import write_page
+from study.headline import headline, replace_block
+from study.report import report_numbers, write_page
 from study.settings import StudyError
+
 
 def page_header(bundle: Path, out: Path) -> list:
     return [f"<!-- Made by `python -m study.page --bundle {bundle} --out {out}` from the results bundle; edit the "
@@ -26,13 +30,28 @@ def page_header(bundle: Path, out: Path) -> list:
             "these numbers: README, \"Method study\"."]
 
 
-def make_page(bundle: Path, out: Path, plots: bool = True) -> str:
-    """The page's text (and, with `plots`, its figures), written to `out`."""
+def make_page(bundle: Path, out: Path, plots: bool = True, readme: Optional[Path] = None) -> str:
+    """The page's text (and, with `plots`, its figures), written to `out`; with `readme`, that file's headline
+    block rewritten from the same numbers."""
     study, evaluations = load_bundle(bundle)
     selections = select_settings(study, evaluations)
+    numbers = report_numbers(study, evaluations, selections)
+    if readme is not None:  # before the page: a README without its block is refused with nothing written
+        text = replace_block(Path(readme).read_text(), headline(study, evaluations, numbers[0], str(bundle)),
+                             str(readme))
     name = bundled_study(bundle)
     source = f"the bundle `{bundle}` (`{name}/runs/*.json.gz`, `{name}/frozen/*.json.gz`)"
-    return write_page(study, evaluations, selections, out, page_header(bundle, out), source, plots)
+    page = write_page(study, evaluations, selections, out, page_header(bundle, out), source, plots, numbers)
+    if readme is not None:
+        atomic_write_text(readme, text)
+    return page
+
+
+def readme_block(bundle: Path) -> str:
+    """The headline block's lines, as the README holds them (what `--readme` writes there)."""
+    study, evaluations = load_bundle(bundle)
+    numbers = report_numbers(study, evaluations, select_settings(study, evaluations))
+    return "\n".join(headline(study, evaluations, numbers[0], str(bundle)))
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -41,13 +60,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--bundle", type=Path, required=True, help="the results bundle (e.g. results/study)")
     add_output(parser, "file", required=True, help="the page (its figures go to images/ beside it)")
     parser.add_argument("--no-plots", action="store_true", help="write the page only, not its figures")
+    parser.add_argument("--readme", type=Path, metavar="FILE",
+                        help="also rewrite this file's study headline block (e.g. README.md)")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Path:
     args = parse_args(argv)
     try:
-        make_page(args.bundle, args.out, plots=not args.no_plots)
+        make_page(args.bundle, args.out, plots=not args.no_plots, readme=args.readme)
     except StudyError as err:
         raise SystemExit(f"study error: {err}") from None
     print(f"page: {args.out}")

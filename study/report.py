@@ -94,10 +94,11 @@ def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tup
 
 
 def write_page(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection], page: Path,
-               header: Sequence[str], source: str, plots: bool = True) -> str:
+               header: Sequence[str], source: str, plots: bool = True, numbers: Optional[Numbers] = None) -> str:
     """The report as one Markdown page (`header` first), its figures in `images/` beside it as `study_*.png`
-    (`plots` False: the page alone); returns the page's text."""
-    findings, validity = report_numbers(study, evaluations, selections)
+    (`plots` False: the page alone); returns the page's text. `numbers`: `report_numbers` when the caller has
+    them already."""
+    findings, validity = numbers or report_numbers(study, evaluations, selections)
     validity_lines = (study_validity.markdown_section(validity, study.settings.selection_split) if validity
                       else [])
     names = figure_names(study)

@@ -825,6 +825,42 @@ def test_the_page_from_the_bundle_alone_is_the_report_and_comes_out_the_same_eve
     assert "no record in the bundle" in page and "method-macco_negatives-without_lr-0.001_seed-2" in page
 
 
+def test_the_readme_headline_is_the_pages_numbers_and_a_readme_without_its_block_is_refused(bundled, tmp_path):
+    from study.headline import BLOCK_END, BLOCK_START
+    from study.page import make_page
+
+    _, _, bundle, _ = bundled
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# A project\n\nbefore\n\n{BLOCK_START}\nan old table\n{BLOCK_END}\n\nafter\n")
+    page = make_page(bundle, tmp_path / "docs" / "page.md", plots=False, readme=readme)
+    text = readme.read_text()
+    assert text.startswith("# A project\n\nbefore\n\n" + BLOCK_START) and text.endswith(BLOCK_END + "\n\nafter\n")
+    assert "an old table" not in text and f"`{bundle}` (" in text
+    block = text.split(BLOCK_START, 1)[1].split(BLOCK_END, 1)[0]
+    scores = section_of(page, "## Scores on `test`")
+    rows = [line for line in block.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows
+    for row in rows:  # each headline row carries its page row's swap group and 2-way relation, to the digit
+        method, condition, group, relation = [cell.strip() for cell in row.strip("|").split("|")][:4]
+        page_row = next(line for line in scores.splitlines() if line.startswith(f"| {method} | {condition} |"))
+        assert group in page_row and relation in page_row, (row, page_row)
+    differences = section_of(page, "## Paired differences")
+    macco = next(row for row in rows if row.startswith("| macco | with |")).split("|")
+    against_baseline = next(line for line in differences.splitlines()
+                            if line.startswith("| test | macco | with | clip_ft (with) | swap group |"))
+    against_itself = next(line for line in differences.splitlines()
+                          if line.startswith("| test | macco | with | macco (without) | swap group |"))
+    assert "-" not in (macco[5].strip(), macco[6].strip())
+    assert macco[5].strip() in against_baseline and macco[6].strip() in against_itself
+    assert macco[7].strip() == "clip_ft (with)"
+
+    without = tmp_path / "PLAIN.md"
+    without.write_text("# no block here\n")
+    with pytest.raises(StudyError, match="has no headline block"):
+        make_page(bundle, tmp_path / "none" / "page.md", plots=False, readme=without)
+    assert without.read_text() == "# no block here\n" and not (tmp_path / "none").exists()
+
+
 def section_of(text: str, title: str) -> str:
     """A section of a report without its figure links (the report's and the page's figures lie elsewhere)."""
     section = title + text.split(title, 1)[1].split("\n## ", 1)[0]
@@ -1002,13 +1038,17 @@ def test_a_run_of_another_config_or_world_is_refused_and_nothing_is_written(bund
 
 
 COMMITTED_BUNDLE, COMMITTED_PAGE = REPO / "results" / "study", REPO / "docs" / "study_results.md"
+COMMITTED_README = REPO / "README.md"
 
 
 @pytest.mark.skipif(not (COMMITTED_BUNDLE / "sweep" / "sweep.json").is_file(), reason="no committed bundle yet")
-def test_the_committed_page_is_what_the_committed_bundle_makes(tmp_path, monkeypatch):
+def test_the_committed_page_and_readme_table_are_what_the_committed_bundle_makes(tmp_path, monkeypatch):
     from study.page import make_page
 
     monkeypatch.chdir(REPO)
     out = Path("docs") / "study_results.md"
-    made = make_page(Path("results") / "study", tmp_path / out, plots=False)
+    readme = tmp_path / "README.md"
+    readme.write_text(COMMITTED_README.read_text())
+    made = make_page(Path("results") / "study", tmp_path / out, plots=False, readme=readme)
     assert made.replace(str(tmp_path / out), str(out)) == COMMITTED_PAGE.read_text()
+    assert readme.read_text() == COMMITTED_README.read_text()  # the headline table is the bundle's, not a copy
