@@ -967,15 +967,20 @@ def test_the_bundle_carries_the_backbone_and_a_later_sitting_continues_from_it(t
 
 def test_a_validity_backbone_trained_again_keeps_the_bundles_scores(tmp_path):
     """Frozen rows and validity backbones are scored once: a later sitting whose backbone of pretraining seed 1 has
-    other bits (trained again on another CPU) leaves the bundle's record of the first as it is."""
+    other bits (trained again on another CPU) leaves the bundle's record of the first as it is, and the frozen rows
+    the bundle holds are not scored again (a later sitting without their caches writes none)."""
     sweep = add_validity(tmp_path, make_sweep(tmp_path))
     bundle = tmp_path / "results"
     report_with_bundle(sweep, bundle, tmp_path / "first")
-    record = (bundle / "study" / "frozen" / "validity_1.json.gz").read_bytes()
+    records = {name: (bundle / "study" / "frozen" / f"{name}.json.gz").read_bytes()
+               for name in ("validity_1", "frozen_cosine", "sgi")}
     (tmp_path / "pretrain_seed1" / "export" / "open_clip.pt").write_bytes(b"other bits")
-    shutil.rmtree(sweep / FROZEN_DIR / "validity_1")  # no cached scores: scoring it would fail on a fake export
-    report_with_bundle(sweep, bundle, tmp_path / "second")
-    assert (bundle / "study" / "frozen" / "validity_1.json.gz").read_bytes() == record
+    for name in records:  # no cached scores: a row scored again would leave its cache behind (or fail)
+        shutil.rmtree(sweep / FROZEN_DIR / name)
+    second = report_with_bundle(sweep, bundle, tmp_path / "second").read_text()
+    assert {name: (bundle / "study" / "frozen" / f"{name}.json.gz").read_bytes() for name in records} == records
+    assert not any((sweep / FROZEN_DIR / name).exists() for name in records)
+    assert "with problems)" in second and "0 with problems" in second
 
 
 def test_two_bundles_are_compared_item_by_item(bundled, tmp_path, capsys):
