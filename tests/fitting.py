@@ -1,5 +1,5 @@
 """Helpers the training tests share: the tiny model and config, a batch as fit builds it, an export's weights and
-a callback that poisons one step (the fixtures are in conftest.py)."""
+a callback that poisons one step, one that stops a run (the fixtures are in conftest.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,6 +40,17 @@ def a_batch(module, cfg) -> dict:
 
 def exported_state(run_dir: Path) -> dict:
     return torch.load(run_dir / "export" / "open_clip.pt")
+
+
+class StopAfter(L.Callback):
+    """Stands in for a killed job: stop at `steps` (last.ckpt is written at the stop)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
 
 
 class NanAtStep(L.Callback):

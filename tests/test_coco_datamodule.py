@@ -491,13 +491,9 @@ def assert_same_samples(first: list, second: list) -> None:
             assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key], key
 
 
-def test_per_sample_generators_draw_the_crops_of_the_global_seeding_and_leave_it_alone(negclip_dir, tokenizer,
-                                                                                      monkeypatch):
-    """Sample and neighbour crops from per-sample generators equal those drawn under torch.manual_seed(seed),
-    exactly, for open_clip's training transform; no global generator (CPU or CUDA) is seeded, forked or consumed."""
-    data = negclip(negclip_dir, tokenizer, open_clip.image_transform(IMAGE_SIZE, is_train=True))
-    keys = [(index, seed) for index in range(len(data)) for seed in (0, 17, 2 ** 31 + 5)]
-    torch.manual_seed(3)
+def assert_samples_are_the_global_seedings(data, keys, monkeypatch) -> list:
+    """`data[key]` for each (index, seed) key touches no global generator, and equals what seeding the global one
+    before each transform call drew; returns the samples."""
     state = torch.get_rng_state()
     with monkeypatch.context() as forbidden:
         forbid_global_seeding(forbidden)
@@ -506,6 +502,17 @@ def test_per_sample_generators_draw_the_crops_of_the_global_seeding_and_leave_it
     with monkeypatch.context() as old:
         globally_seeded(old)
         assert_same_samples(new, samples_of(data, keys))
+    return new
+
+
+def test_per_sample_generators_draw_the_crops_of_the_global_seeding_and_leave_it_alone(negclip_dir, tokenizer,
+                                                                                      monkeypatch):
+    """Sample and neighbour crops from per-sample generators equal those drawn under torch.manual_seed(seed),
+    exactly, for open_clip's training transform; no global generator (CPU or CUDA) is seeded, forked or consumed."""
+    data = negclip(negclip_dir, tokenizer, open_clip.image_transform(IMAGE_SIZE, is_train=True))
+    keys = [(index, seed) for index in range(len(data)) for seed in (0, 17, 2 ** 31 + 5)]
+    torch.manual_seed(3)
+    new = assert_samples_are_the_global_seedings(data, keys, monkeypatch)
     assert len({tuple(sample["image"].flatten()[:8].tolist()) for sample in new}) > len(data)  # crops vary by seed
 
 

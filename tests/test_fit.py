@@ -21,8 +21,8 @@ from lightning_modules import METHODS
 from lightning_modules.base import NonFiniteLossError, total_loss
 from lightning_modules.callbacks import cpu_model
 from lightning_modules.fit import build_module, run
-from fitting import (NEEDS_MASKS, STEPS_PER_EPOCH, TINY, NanAtStep, a_batch, exported_state, method_overrides,
-                     tiny_config)
+from fitting import (NEEDS_MASKS, STEPS_PER_EPOCH, TINY, NanAtStep, StopAfter, a_batch, exported_state,
+                     method_overrides, tiny_config)
 from tolerance import scaled_close
 
 @pytest.mark.parametrize("method,precision", [(name, "32-true") for name in sorted(METHODS)] +
@@ -63,17 +63,6 @@ def test_hard_negatives_change_the_objective(shapes_root, tmp_path):
         batch = a_batch(module, cfg) if batch is None else batch  # one batch (with neg_text) for both
         losses.append(module.compute_terms(batch)[0]["itc_loss"])
     assert losses[0] > losses[1]  # extra negative columns can only raise the image-to-text loss
-
-
-class StopAfter(L.Callback):
-    """Stands in for a killed job: stop at `steps` (last.ckpt is written at the stop)."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step >= self.steps:
-            trainer.should_stop = True
 
 
 @pytest.mark.parametrize("stop, workers", [(STEPS_PER_EPOCH, 0), (3, 0), (6, 2)])

@@ -29,7 +29,7 @@ from modeling.attribution import (ATTRIBUTIONS, AttributionOptions, TextAttribut
 from modeling.long_context import stretch_text_context
 from modeling.lora import (adapter_layers, add_lora, adapted_module_names, has_adapters, lora_setting_problems, merged,
                            tower_shapes)
-from fitting import TINY, a_batch, exported_state, method_overrides, tiny_config
+from fitting import TINY, StopAfter, a_batch, exported_state, method_overrides, tiny_config
 from tolerance import assert_scaled_close, scaled_close
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "towers": ["image", "text"], "layers": None,
@@ -264,17 +264,6 @@ def test_export_merges_the_adapters_into_a_plain_open_clip_checkpoint(shapes_roo
     start = build_module(cfg).plain_clip().state_dict()
     changed = {key for key in state if not torch.equal(state[key], start[key])}
     assert changed and all(key.endswith(("out_proj.weight", "c_fc.weight", "c_proj.weight")) for key in changed)
-
-
-class StopAfter(L.Callback):
-    """Stands in for a killed job: stop at `steps` (last.ckpt is written at the stop)."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step >= self.steps:
-            trainer.should_stop = True
 
 
 def test_a_run_with_adapters_resumes_to_the_uninterrupted_weights(shapes_root, tmp_path):

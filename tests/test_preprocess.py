@@ -186,7 +186,7 @@ def test_datamodule_reads_masks_from_the_cache(shapes_root, tmp_path):
 def test_mask_samples_from_per_sample_generators_equal_the_global_seeding(shapes_root, tmp_path, monkeypatch):
     """The training split with masks (box-aware crops, patch masks): crops drawn from per-sample generators equal
     those drawn after torch.manual_seed(seed), exactly, and no global generator is seeded or consumed."""
-    from test_coco_datamodule import assert_same_samples, forbid_global_seeding, globally_seeded, samples_of
+    from test_coco_datamodule import assert_samples_are_the_global_seedings
 
     cfg = shapes_config(shapes_root, tmp_path, "data.masks=true", "data.box_aware_crop=true")
     preprocess.run(cfg)
@@ -196,14 +196,7 @@ def test_mask_samples_from_per_sample_generators_equal_the_global_seeding(shapes
     datamodule.setup("fit")
     data = datamodule.train_dataset
     keys = [(index, seed) for index in range(len(data)) for seed in (1, 99)]
-    state = torch.get_rng_state()
-    with monkeypatch.context() as forbidden:
-        forbid_global_seeding(forbidden)
-        new = samples_of(data, keys)
-    assert torch.equal(torch.get_rng_state(), state)
-    with monkeypatch.context() as old:
-        globally_seeded(old)
-        assert_same_samples(new, samples_of(data, keys))
+    assert_samples_are_the_global_seedings(data, keys, monkeypatch)
 
 
 def gt_object_phrases(caption: str, boxes: dict) -> list:
