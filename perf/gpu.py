@@ -351,7 +351,7 @@ def run_variant(row: dict, settings: Settings, device: dict, deadline: float) ->
     kind = device["kind"]
     precision = "32-true" if row["precision"] == TF32 else row["precision"]
     args = argparse.Namespace(model=settings.model, batch_size=row["batch_size"], device=kind,
-                              precision=precision, overrides=[])
+                              precision=precision, overrides=[], captions=step.DEFAULT_CAPTIONS)
     start = time.perf_counter()
     with tf32_matmuls(row["precision"] == TF32):
         variant = step.Variant(row["variant"], args)

@@ -67,7 +67,10 @@ VARIANTS: Dict[str, List[str]] = {
 CONFIG_FILES: Dict[str, str] = {"macco": "configs/macco.yaml", "macco_ours": "configs/macco_ours.yaml"}
 REFERENCE = "clip_ft"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-NEGCLIP_TSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
+# The batch's captions: the first of the NegCLIP validation TSV where configs/negclip.yaml reads it (real COCO
+# captions, their lengths and parses), else the few below, said in the report.
+DEFAULT_CAPTIONS = REPO_ROOT / "data" / "coco" / "negclip" / "valid_neg_clip.tsv"
+BUILT_IN = "built-in"
 FALLBACK_CAPTIONS = ["a red square to the left of a blue circle", "a man riding a horse on a beach",
                      "two dogs playing with a frisbee in the park", "a plate of food next to a cup of coffee"]
 
@@ -80,6 +83,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--captions", type=Path, default=DEFAULT_CAPTIONS, metavar="FILE",
+                        help="a NegCLIP-format TSV whose first captions make the batch (default: "
+                             "data/coco/negclip/valid_neg_clip.tsv when present, else a few built-in captions)")
     add_precision(parser, ["32-true", "bf16-mixed"], default="32-true", help="bf16-mixed: autocast over fp32 weights")
     add_output(parser, "file", default=Path("runs/perf_step.json"), help="the JSON report")
     parser.add_argument("--peak-rss", action="store_true",
@@ -92,25 +98,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 # Cache records written on another machine (`python -m perf.gpu --write-records`), read first when set: the GPU
-# machine has neither spaCy nor the shared captions.
+# machine may have neither spaCy nor the captions file.
 PREPARED_RECORDS: List[dict] = []
 
 
-def real_captions(n: int) -> List[str]:
-    """Real COCO captions (NegCLIP validation TSV) when the shared data is present."""
+def caption_source(path: Path, n: int) -> str:
+    """Where a batch of `n` captions comes from: the prepared records, `path` when it holds `n`, else built-in."""
     if len(PREPARED_RECORDS) >= n:
+        return "prepared records"
+    if Path(path).is_file() and len(read_negclip_tsv(str(path))) >= n:
+        return str(path)
+    return BUILT_IN
+
+
+def real_captions(n: int, path: Path = DEFAULT_CAPTIONS) -> List[str]:
+    """`n` captions, from `caption_source(path, n)`."""
+    source = caption_source(path, n)
+    if source == "prepared records":
         return [record["caption"] for record in PREPARED_RECORDS[:n]]
-    if NEGCLIP_TSV.is_file():
-        captions = [record.caption for record in read_negclip_tsv(str(NEGCLIP_TSV))[:n]]
-        if len(captions) == n:
-            return captions
+    if source != BUILT_IN:
+        return [record.caption for record in read_negclip_tsv(str(path))[:n]]
     return [FALLBACK_CAPTIONS[i % len(FALLBACK_CAPTIONS)] for i in range(n)]
 
 
-def make_batch(module, batch_size: int, device: str) -> dict:
+def make_batch(module, batch_size: int, device: str, captions_file: Path = DEFAULT_CAPTIONS) -> dict:
     size = module.clip.visual.image_size
     size = size[0] if isinstance(size, (tuple, list)) else size
-    captions = real_captions(batch_size)
+    captions = real_captions(batch_size, captions_file)
     generator = torch.Generator().manual_seed(0)
     grid = module.encoders.grid_size
     patches = grid[0] * grid[1]
@@ -174,7 +188,7 @@ class Variant:
         self.name = name
         self.module = method_class(cfg.method.name)(cfg).to(args.device).train()
         self.optimizer = torch.optim.AdamW(self.module.param_groups(), lr=1e-6)
-        self.batch = make_batch(self.module, args.batch_size, args.device)
+        self.batch = make_batch(self.module, args.batch_size, args.device, args.captions)
         if getattr(self.module, "reads_cached_features", False):
             self.batch = cached_feature_batch(self.module, self.batch, cfg.method.hard_negatives.captions)
         # What the Trainer measures on each host batch before it moves (caption lengths, CAE's replacement words);
@@ -253,7 +267,8 @@ def measure_in_fresh_processes(names: List[str], args: argparse.Namespace) -> Li
     """Each variant in its own `python -m perf.step --single NAME` process, one at a time (never two models'
     memory at once), with this run's settings."""
     settings = ["--model", args.model, "--batch-size", str(args.batch_size), "--repeats", str(args.repeats),
-                "--warmup", str(args.warmup), "--device", args.device, "--precision", args.precision]
+                "--warmup", str(args.warmup), "--device", args.device, "--precision", args.precision,
+                "--captions", str(args.captions)]
     results = []
     for name in names:
         command = [sys.executable, "-m", "perf.step", "--single", name, *settings, *args.overrides]
@@ -280,6 +295,7 @@ def report(measured: List[Measured], args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "batch_size": args.batch_size, "device": args.device, "precision": args.precision,
         "repeats": args.repeats, "memory_kind": memory_kind,
+        "captions": caption_source(args.captions, args.batch_size),
         "timing": "sequential, one fresh process per variant" if args.peak_rss else "interleaved, one process",
         "methods": methods,
     }
@@ -287,7 +303,8 @@ def report(measured: List[Measured], args: argparse.Namespace) -> dict:
 
 def print_table(result: dict) -> None:
     print(f"\n{result['model']}, batch {result['batch_size']}, {result['device']}, precision {result['precision']}, "
-          f"median of {result['repeats']} steps ({result['timing']}); memory = {result['memory_kind']}")
+          f"median of {result['repeats']} steps ({result['timing']}); memory = {result['memory_kind']}; "
+          f"captions: {result['captions']}")
     with_rss = any("peak_rss_gib" in row for row in result["methods"].values())
     print(f"{'method':<24}{'step (s)':>10}{'x CLIP-FT':>11}{'memory (MiB)':>14}"
           + (f"{'peak RSS (GiB)':>16}" if with_rss else ""))
@@ -299,6 +316,8 @@ def print_table(result: dict) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[dict]:
     args = parse_args(argv)
+    if args.captions != DEFAULT_CAPTIONS and not Path(args.captions).is_file():
+        raise SystemExit(f"perf.step error: --captions {args.captions} is not a file")
     if args.single:
         return run_single(args)
     names = [n.strip() for n in args.methods.split(",") if n.strip()]

@@ -3,7 +3,6 @@ without CUDA, the device peak table, and the pieces it relies on (perf.step's ca
 aligners, the scorer's device)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -165,7 +164,7 @@ def test_bf16_peak_table(name, peak):
 
 def test_aligner_variants_time_the_cached_feature_step():
     """perf.step's TFLocal step reads the cache's layout (float16 tokens, no negatives by default), not pixels."""
-    args = argparse.Namespace(model=TINY, batch_size=4, device="cpu", precision="32-true", overrides=[])
+    args = step.parse_args(["--model", TINY, "--batch-size", "4", "--device", "cpu", "--precision", "32-true"])
     variant = step.Variant("tflocal_hard16", args)
     batch = variant.batch
     assert is_feature_batch(batch) and "neg_text" not in batch and batch["image"].ndim == 3  # tokens, not pixels

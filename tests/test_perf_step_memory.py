@@ -5,6 +5,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 
 from perf import step
 
@@ -33,3 +34,24 @@ def test_peak_rss_comes_from_one_fresh_process_per_variant(tmp_path, monkeypatch
     # torch, open_clip and spaCy alone take a few hundred MiB; a tiny model's steps add little
     assert 0.2 < row["peak_rss_gib"] < 8 and len(row["step_times_s"]) == 1
     assert result["timing"].startswith("sequential") and json.loads(out.read_text()) == result
+
+
+def test_the_batch_captions_come_from_the_given_tsv_and_the_report_says_so(tmp_path):
+    """The batch is the TSV's first captions when it holds enough, else the built-in ones; the report names the
+    source; a --captions that is not a file is refused before any model is built."""
+    from test_coco_datamodule import write_negclip_tsv
+
+    rows = [(f"caption number {i} of a real file", f"coco/val2014/COCO_val2014_{i:012d}.jpg", ["neg"])
+            for i in range(3)]
+    tsv = write_negclip_tsv(tmp_path / "valid_neg_clip.tsv", rows)
+    assert step.real_captions(2, tsv) == ["caption number 0 of a real file", "caption number 1 of a real file"]
+    assert step.caption_source(tsv, 3) == str(tsv) and step.caption_source(tsv, 4) == step.BUILT_IN
+    assert step.real_captions(4, tsv) == [step.FALLBACK_CAPTIONS[i % len(step.FALLBACK_CAPTIONS)] for i in range(4)]
+    assert step.caption_source(tmp_path / "absent.tsv", 2) == step.BUILT_IN
+
+    variant = step.Variant("clip_ft", step.parse_args(["--methods", "clip_ft", *TINY, "--captions", str(tsv)]))
+    assert torch.equal(variant.batch["text"].cpu(), variant.module.tokenizer(step.real_captions(2, tsv)))
+    result = step.main(["--methods", "clip_ft", *TINY, "--captions", str(tsv), "--out", str(tmp_path / "p.json")])
+    assert result["captions"] == str(tsv)
+    with pytest.raises(SystemExit, match="--captions .*absent.tsv is not a file"):
+        step.main(["--methods", "clip_ft", *TINY, "--captions", str(tmp_path / "absent.tsv")])
