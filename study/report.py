@@ -57,6 +57,7 @@ FOLDER_SOURCE = "each run's `study_eval.json` (`cells.json` here names the files
 CURVE_PLOT = "validation_curves"
 Numbers = Tuple[Findings, Optional[study_validity.Validity]]
 Figures = Dict[str, str]  # figure name (e.g. "scores_test") -> its link in the Markdown
+LABEL_STEP = 8  # points between the stacked labels of points that land on one spot
 
 
 def report_numbers(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection]
@@ -453,27 +454,51 @@ def plot_tradeoff(tradeoffs: Sequence[Comparison], split: str, path: Path) -> No
     composition, recognition = TRADEOFF_METRICS[0], TRADEOFF_METRICS[1:]
     figure, axes = plt.subplots(1, len(recognition), figsize=(6.0 * len(recognition), 5.0), squeeze=False)
     for axis, metric in zip(axes[0], recognition):
-        plotted = False
-        for method, condition in rows:
-            x, y = found.get((method, condition, metric)), found.get((method, condition, composition))
-            if x is None or y is None:
-                continue
-            plotted = True
+        points = [(method, condition, found[(method, condition, metric)], found[(method, condition, composition)])
+                  for method, condition in rows
+                  if (method, condition, metric) in found and (method, condition, composition) in found]
+        stacks = label_stack([(x.interval.estimate, y.interval.estimate) for _, _, x, y in points])
+        for (method, condition, x, y), stack in zip(points, stacks):
             axis.errorbar(x.interval.estimate, y.interval.estimate, xerr=error_bar(x.interval),
                           yerr=error_bar(y.interval), fmt="o", color=colours[condition], capsize=2,
                           label=None if legend(condition) in axis.get_legend_handles_labels()[1] else legend(condition))
             axis.annotate(method, (x.interval.estimate, y.interval.estimate), fontsize="x-small",
-                          xytext=(3, 3), textcoords="offset points")
+                          xytext=(3, 3 + LABEL_STEP * stack), textcoords="offset points", color=colours[condition])
         axis.axhline(0, color="black", linewidth=0.8)
         axis.axvline(0, color="black", linewidth=0.8)
         axis.set_xlabel(f"{TITLES[metric]} change (points)")
         axis.set_ylabel(f"{TITLES[composition]} change (points)")
         axis.set_title(f"composition against recognition on {split}", fontsize="small")
-        if plotted:
+        if points:
             axis.legend(title="negatives", fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def label_stack(points: Sequence[Tuple[float, float]], width: float = 0.14, height: float = 0.035) -> List[int]:
+    """For each point, the line its label goes up to (0: beside the point) so that no two labels overlap: a label
+    is a box `width` x `height` of the points' spans, right of and above its point, and each takes the lowest
+    line free of the labels placed before it. Rows that land on one spot (CLIP-FT and a method equal to it) so
+    keep readable labels."""
+    if not points:
+        return []
+    x_span, y_span = [max(1e-9, max(p[axis] for p in points) - min(p[axis] for p in points)) for axis in (0, 1)]
+    boxes: List[Tuple[float, float, float, float]] = []
+    lines = []
+    for x, y in points:
+        line = 0
+        while any(overlaps((x, y + line * height * y_span, x + width * x_span, y + (line + 1) * height * y_span), box)
+                  for box in boxes):
+            line += 1
+        boxes.append((x, y + line * height * y_span, x + width * x_span, y + (line + 1) * height * y_span))
+        lines.append(line)
+    return lines
+
+
+def overlaps(first: Tuple[float, float, float, float], second: Tuple[float, float, float, float]) -> bool:
+    """Whether two boxes (x0, y0, x1, y1) share an area."""
+    return first[0] < second[2] and second[0] < first[2] and first[1] < second[3] and second[1] < first[3]
 
 
 def legend(condition: str) -> str:

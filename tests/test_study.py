@@ -1057,3 +1057,14 @@ def test_the_committed_page_and_readme_table_are_what_the_committed_bundle_makes
     made = make_page(Path("results") / "study", tmp_path / out, plots=False, readme=readme)
     assert made.replace(str(tmp_path / out), str(out)) == COMMITTED_PAGE.read_text()
     assert readme.read_text() == COMMITTED_README.read_text()  # the headline table is the bundle's, not a copy
+
+
+def test_labels_of_points_on_one_spot_are_stacked_and_others_stay_put():
+    from study.report import label_stack
+
+    # CLIP-FT and CAE gradient land on one spot (equal runs); SmartCLIP's label would run into theirs; a point
+    # below them and one far away keep their labels beside them
+    points = [(3.0, 35.0), (3.0, 35.0), (3.3, 35.2), (3.0, 30.0), (0.0, 5.0)]
+    assert label_stack(points) == [0, 1, 2, 0, 0]
+    assert label_stack([(0.0, 0.0), (10.0, 0.0)]) == [0, 0]  # side by side, wider apart than a label
+    assert label_stack([]) == [] and label_stack([(1.0, 1.0)]) == [0]
