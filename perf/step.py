@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -102,23 +102,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 PREPARED_RECORDS: List[dict] = []
 
 
-def caption_source(path: Path, n: int) -> str:
-    """Where a batch of `n` captions comes from: the prepared records, `path` when it holds `n`, else built-in."""
+PREPARED = "prepared records"
+
+
+def batch_captions(n: int, path: Path = DEFAULT_CAPTIONS) -> Tuple[List[str], str]:
+    """`n` captions and where they come from: the prepared records, `path` when it holds `n` (read once), else the
+    built-in ones."""
     if len(PREPARED_RECORDS) >= n:
-        return "prepared records"
-    if Path(path).is_file() and len(read_negclip_tsv(str(path))) >= n:
-        return str(path)
-    return BUILT_IN
+        return [record["caption"] for record in PREPARED_RECORDS[:n]], PREPARED
+    records = read_negclip_tsv(str(path)) if Path(path).is_file() else []
+    if len(records) >= n:
+        return [record.caption for record in records[:n]], str(path)
+    return [FALLBACK_CAPTIONS[i % len(FALLBACK_CAPTIONS)] for i in range(n)], BUILT_IN
 
 
 def real_captions(n: int, path: Path = DEFAULT_CAPTIONS) -> List[str]:
-    """`n` captions, from `caption_source(path, n)`."""
-    source = caption_source(path, n)
-    if source == "prepared records":
-        return [record["caption"] for record in PREPARED_RECORDS[:n]]
-    if source != BUILT_IN:
-        return [record.caption for record in read_negclip_tsv(str(path))[:n]]
-    return [FALLBACK_CAPTIONS[i % len(FALLBACK_CAPTIONS)] for i in range(n)]
+    return batch_captions(n, path)[0]
+
+
+def check_captions(args: argparse.Namespace) -> None:
+    """A --captions given by hand must be a TSV holding a whole batch (the default may be absent: built-in)."""
+    if args.captions == DEFAULT_CAPTIONS:
+        return
+    if not Path(args.captions).is_file():
+        raise SystemExit(f"perf.step error: --captions {args.captions} is not a file")
+    if batch_captions(args.batch_size, args.captions)[1] != str(args.captions):
+        raise SystemExit(f"perf.step error: --captions {args.captions} holds fewer than --batch-size "
+                         f"{args.batch_size} captions")
 
 
 def make_batch(module, batch_size: int, device: str, captions_file: Path = DEFAULT_CAPTIONS) -> dict:
@@ -295,7 +305,7 @@ def report(measured: List[Measured], args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "batch_size": args.batch_size, "device": args.device, "precision": args.precision,
         "repeats": args.repeats, "memory_kind": memory_kind,
-        "captions": caption_source(args.captions, args.batch_size),
+        "captions": batch_captions(args.batch_size, args.captions)[1],
         "timing": "sequential, one fresh process per variant" if args.peak_rss else "interleaved, one process",
         "methods": methods,
     }
@@ -316,8 +326,7 @@ def print_table(result: dict) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[dict]:
     args = parse_args(argv)
-    if args.captions != DEFAULT_CAPTIONS and not Path(args.captions).is_file():
-        raise SystemExit(f"perf.step error: --captions {args.captions} is not a file")
+    check_captions(args)
     if args.single:
         return run_single(args)
     names = [n.strip() for n in args.methods.split(",") if n.strip()]

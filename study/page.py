@@ -47,13 +47,6 @@ def make_page(bundle: Path, out: Path, plots: bool = True, readme: Optional[Path
     return page
 
 
-def readme_block(bundle: Path) -> str:
-    """The headline block's lines, as the README holds them (what `--readme` writes there)."""
-    study, evaluations = load_bundle(bundle)
-    numbers = report_numbers(study, evaluations, select_settings(study, evaluations))
-    return "\n".join(headline(study, evaluations, numbers[0], str(bundle)))
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)

@@ -38,16 +38,17 @@ def test_peak_rss_comes_from_one_fresh_process_per_variant(tmp_path, monkeypatch
 
 def test_the_batch_captions_come_from_the_given_tsv_and_the_report_says_so(tmp_path):
     """The batch is the TSV's first captions when it holds enough, else the built-in ones; the report names the
-    source; a --captions that is not a file is refused before any model is built."""
+    source; a --captions that is not a file, or holds less than a batch, is refused before any model is built."""
     from test_coco_datamodule import write_negclip_tsv
 
     rows = [(f"caption number {i} of a real file", f"coco/val2014/COCO_val2014_{i:012d}.jpg", ["neg"])
             for i in range(3)]
     tsv = write_negclip_tsv(tmp_path / "valid_neg_clip.tsv", rows)
     assert step.real_captions(2, tsv) == ["caption number 0 of a real file", "caption number 1 of a real file"]
-    assert step.caption_source(tsv, 3) == str(tsv) and step.caption_source(tsv, 4) == step.BUILT_IN
-    assert step.real_captions(4, tsv) == [step.FALLBACK_CAPTIONS[i % len(step.FALLBACK_CAPTIONS)] for i in range(4)]
-    assert step.caption_source(tmp_path / "absent.tsv", 2) == step.BUILT_IN
+    assert step.batch_captions(3, tsv)[1] == str(tsv)
+    assert step.batch_captions(4, tsv) == ([step.FALLBACK_CAPTIONS[i % len(step.FALLBACK_CAPTIONS)] for i in range(4)],
+                                           step.BUILT_IN)
+    assert step.batch_captions(2, tmp_path / "absent.tsv")[1] == step.BUILT_IN
 
     variant = step.Variant("clip_ft", step.parse_args(["--methods", "clip_ft", *TINY, "--captions", str(tsv)]))
     assert torch.equal(variant.batch["text"].cpu(), variant.module.tokenizer(step.real_captions(2, tsv)))
@@ -55,3 +56,5 @@ def test_the_batch_captions_come_from_the_given_tsv_and_the_report_says_so(tmp_p
     assert result["captions"] == str(tsv)
     with pytest.raises(SystemExit, match="--captions .*absent.tsv is not a file"):
         step.main(["--methods", "clip_ft", *TINY, "--captions", str(tmp_path / "absent.tsv")])
+    with pytest.raises(SystemExit, match="holds fewer than --batch-size 4 captions"):  # not silently built-in
+        step.main(["--methods", "clip_ft", *TINY, "--batch-size", "4", "--captions", str(tsv)])
