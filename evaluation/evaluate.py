@@ -59,8 +59,9 @@ import yaml
 from core.cli import (add_data_root, add_key_values, add_output, add_precision, key_value_sections,
                       refuse_renamed)
 from evaluation.aligner import AlignerScorer, is_aligner_export
-from evaluation.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
+from evaluation.benchmarks import BENCHMARKS, COMBINED, MissingBenchmarkData, build_benchmark
 from evaluation.benchmarks.base import Benchmark
+from evaluation.benchmarks.sources import DataSource
 from evaluation.harness import (AGGREGATES_FILE, BenchmarkResult, available_benchmarks, build_benchmarks,
                                 check_all_images, combined_aggregates, default_roots, folder_results,
                                 log_to_tensorboard, markdown_tables, mixed_weights_message, reaggregate,
@@ -170,16 +171,36 @@ def check_names(names: Sequence[str]) -> None:
 
 
 def list_benchmarks() -> str:
-    """Each benchmark's description and the files it expects (from the error a root without them raises)."""
+    """Each benchmark's description, the files it expects, where they come from and how large they are, then the
+    combined numbers and what each averages."""
     lines = []
     for name, cls in BENCHMARKS.items():
-        try:
-            build_benchmark(name, Path("<root>"))
-            expected = ""
-        except MissingBenchmarkData as err:
-            expected = str(err).partition("expected files: ")[2]
-        lines += [f"{name}: {cls.description}", f"    expects under its root: {expected}"]
+        lines += [f"{name}: {cls.description}", f"    expects under its root: {expected_files(name)}"]
+        lines += [f"    {line}" for line in source_lines(name, cls.data_source)]
+    lines += ["", "combined numbers (computed from the benchmarks above when they are in one run):"]
+    for name, combined in COMBINED.items():
+        lines.append(f"{name}: {combined.description}; averages {', '.join(combined.parts)}")
     return "\n".join(lines)
+
+
+def expected_files(name: str) -> str:
+    """The files a benchmark expects under its root (from the error a root without them raises)."""
+    try:
+        build_benchmark(name, Path("<root>"))
+    except MissingBenchmarkData as err:
+        return str(err).partition("expected files: ")[2]
+    return ""
+
+
+def source_lines(name: str, source: DataSource) -> List[str]:
+    """Where a benchmark's files come from, their licence and size, and how to get them."""
+    lines = [f"from: {source.home}", f"licence: {source.licence}", f"size: {source.size}"]
+    if source.downloads:
+        lines.append(f"fetch: python -m evaluation.fetch {name} ({len(source.downloads)} pinned files, "
+                     f"{source.download_bytes / 1e6:.1f} MB)")
+    if source.by_hand:
+        lines.append(f"by hand: {source.by_hand}")
+    return lines
 
 
 def scorer_options(scorer: str, options: Dict[str, object]) -> Dict[str, object]:

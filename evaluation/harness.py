@@ -32,6 +32,7 @@ from evaluation.benchmarks import BENCHMARKS, COMBINED, Benchmark, MissingBenchm
 from evaluation.benchmarks.base import Outcome
 from evaluation.benchmarks.base import Scorer
 from evaluation.benchmarks.images import UnreadableImageError, missing_files
+from evaluation.benchmarks.sources import REFERENCE_MODEL, Published
 from evaluation.provenance import mixed_weights, weights_label
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,8 @@ def write_tables(out_dir: Path, results: Sequence[BenchmarkResult], scored_by: M
                 "benchmarks": {r.name: {"aggregates": r.aggregates, "items": len(r.outcomes),
                                         "seconds": round(r.seconds, 3), "metadata": dict(scored_by[r.name])}
                                for r in results},
-                "combined": {name: {"aggregates": aggregates, "parts": list(COMBINED[name].parts)}
+                "combined": {name: {"aggregates": aggregates, "parts": list(COMBINED[name].parts),
+                                    "missing": missing_benchmarks(name, [r.name for r in results])}
                              for name, aggregates in results_combined(results, scored_by).items()},
                 "mixed_weights": mixed_weights(scored_by)}
     atomic_write_text(out_dir / AGGREGATES_FILE, json.dumps(_finite(document), indent=2, sort_keys=True))
@@ -229,19 +231,40 @@ def rewrite_tables(out_dir: Path) -> List[BenchmarkResult]:
 
 
 def combined_aggregates(aggregates: Mapping[str, Mapping[str, object]]) -> Dict[str, Dict[str, float]]:
-    """Every registered cross-benchmark aggregate whose parts are all among `aggregates` (benchmark -> values)."""
-    return {name: combined.compute(aggregates) for name, combined in COMBINED.items()
-            if combined.applies_to(aggregates)}
+    """Every registered combined number that applies to `aggregates` (benchmark -> values), in registry order, so
+    that a composite can average earlier combined numbers (vl_compo's `comp_avg` takes ARO's mean of four)."""
+    available: Dict[str, Mapping[str, object]] = dict(aggregates)
+    combined: Dict[str, Dict[str, float]] = {}
+    for name, aggregate in COMBINED.items():
+        if aggregate.applies_to(available):
+            combined[name] = available[name] = aggregate.compute(available)
+    return combined
+
+
+def benchmark_parts(name: str) -> List[str]:
+    """The registry benchmarks a benchmark or combined name stands on (a composite's composites resolved)."""
+    if name in BENCHMARKS:
+        return [name]
+    return list(dict.fromkeys(leaf for part in COMBINED[name].parts for leaf in benchmark_parts(part)))
+
+
+def missing_benchmarks(name: str, present: Iterable[str]) -> List[str]:
+    """The benchmarks under combined number `name` that are not among `present`: what its mean lacks."""
+    present = set(present)
+    return [leaf for leaf in benchmark_parts(name) if leaf not in present]
 
 
 def results_combined(results: Iterable[BenchmarkResult],
                      scored_by: Optional[Mapping[str, Mapping[str, object]]] = None) -> Dict[str, Dict[str, float]]:
     """The combined aggregates of the results; with `scored_by` (a folder holding several runs' benchmarks),
-    only those whose parts were all scored by one run: a mean never mixes two models."""
+    only those whose parts present were all scored by one run: a mean never mixes two models."""
+    results = list(results)
     combined = combined_aggregates({result.name: result.aggregates for result in results})
     if scored_by is None:
         return combined
-    return {name: values for name, values in combined.items() if _one_run(COMBINED[name].parts, scored_by)}
+    present = {result.name for result in results}
+    return {name: values for name, values in combined.items()
+            if _one_run([leaf for leaf in benchmark_parts(name) if leaf in present], scored_by)}
 
 
 def _one_run(parts: Sequence[str], scored_by: Mapping[str, Mapping[str, object]]) -> bool:
@@ -283,14 +306,22 @@ def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, o
     others = {name: meta for name, meta in (scored_by or {}).items() if plain(meta) != plain(metadata)}
     lines += [f"- {name} was scored by an earlier run: {_describe(meta)}" for name, meta in others.items()]
     lines += [""] if others else []
-    lines += ["| benchmark | items | headline | weights |", "|---|---:|---|---|"]
+    lines += [f"| benchmark | items | headline | {REFERENCE_MODEL}, published | weights |", "|---|---:|---|---|---|"]
     for result in results:
-        lines.append(_headline_row(result.name, items[result.name], BENCHMARKS[result.name].headline,
-                                   result.aggregates, weights[result.name]))
+        benchmark = BENCHMARKS[result.name]
+        lines.append(_headline_row(result.name, items[result.name], benchmark.headline, result.aggregates,
+                                   benchmark.published, weights[result.name]))
     for name, aggregates in combined.items():
-        parts = COMBINED[name].parts
-        lines.append(_headline_row(f"{name} = mean({', '.join(parts)})", sum(items[part] for part in parts),
-                                   COMBINED[name].headline, aggregates, weights[parts[0]]))
+        leaves = [leaf for leaf in benchmark_parts(name) if leaf in items]
+        label = f"{name} = mean({', '.join(COMBINED[name].parts)})"
+        lacking = missing_benchmarks(name, items)
+        if lacking:
+            label += f"; lacks {', '.join(lacking)}"
+        lines.append(_headline_row(label, sum(items[leaf] for leaf in leaves), COMBINED[name].headline, aggregates,
+                                   COMBINED[name].published, weights[leaves[0]]))
+    if any(BENCHMARKS[r.name].published for r in results) or any(COMBINED[n].published for n in combined):
+        lines += ["", f"Published numbers are for {REFERENCE_MODEL} (sources: docs/evaluation.md, "
+                      "\"Reference numbers\"); a setup that reproduces them scores that model within a point."]
     for result in results:
         lines += _full_table(result.name, BENCHMARKS[result.name].description, result.aggregates)
     for name, aggregates in combined.items():
@@ -320,9 +351,15 @@ def _describe(metadata: Mapping[str, object]) -> str:
 
 
 def _headline_row(name: str, items: int, headline: Sequence[str], aggregates: Mapping[str, object],
-                  weights: str) -> str:
+                  published: Mapping[str, Published], weights: str) -> str:
     shown = ", ".join(f"{key} {_fmt(aggregates.get(key, float('nan')))}" for key in headline or tuple(aggregates))
-    return f"| {name} | {items} | {shown} | {weights} |"
+    return f"| {name} | {items} | {shown} | {_published_cell(headline, published)} | {weights} |"
+
+
+def _published_cell(headline: Sequence[str], published: Mapping[str, Published]) -> str:
+    """The published numbers of the headline keys, each with its source ("-" when none is published)."""
+    shown = [f"{key} {published[key].value:.2f} ({published[key].source})" for key in headline if key in published]
+    return ", ".join(shown) or "-"
 
 
 def _full_table(name: str, description: str, aggregates: Mapping[str, object]) -> List[str]:
@@ -338,8 +375,8 @@ def csv_table(results: Sequence[BenchmarkResult],
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["benchmark", "metric", "value", "global_step", "weights_sha256"])
     for name, aggregates in named_aggregates(results, scored_by).items():
-        part = COMBINED[name].parts[0] if name in COMBINED else name  # a combined row's parts share one scorer
-        meta = (scored_by or {}).get(part, {})
+        present = [leaf for leaf in benchmark_parts(name) if leaf in (scored_by or {})] or [name]
+        meta = (scored_by or {}).get(present[0], {})  # a combined row's parts present share one scorer
         scored = [_blank_none(meta.get("global_step")), _blank_none(meta.get("weights_sha256"))]
         for key, value in aggregates.items():
             finite = not isinstance(value, float) or math.isfinite(value)

@@ -15,6 +15,7 @@ instead of 77.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from abc import abstractmethod
 from contextlib import nullcontext
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from core.cli import AUTOCAST, autocast_dtype, check_precision
 from evaluation.benchmarks.base import ImageRef, Scorer, unique
-from evaluation.benchmarks.images import load_image
+from evaluation.benchmarks.images import load_image, parquet_image_bytes
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +100,50 @@ class TokenKeys:
         return torch.from_numpy(np.stack([np.frombuffer(key, dtype=self._dtype) for key in keys]))
 
 
+class ImageKeys:
+    """Each image's content key: a digest of its encoded bytes (a file's, or a parquet cell's) and its crop box.
+
+    Benchmarks take the same photos from other datasets (COCO val2017 under SugarCrepe, SugarCrepe++ and What'sUp;
+    Visual Genome under ARO, Cola and CREPE), each from its own folder or container. Keyed by content, an image
+    is embedded once per scorer whichever benchmark, folder or file name it comes under; the same bytes decode to
+    the same pixels, so nothing but the work changes. Each distinct reference is read and hashed once.
+    """
+
+    def __init__(self) -> None:
+        self._keys: Dict[ImageRef, tuple] = {}
+        self._file_digests: Dict[tuple, str] = {}
+
+    def keys(self, refs: Sequence[ImageRef]) -> List[tuple]:
+        for ref in unique(refs):
+            if ref not in self._keys:
+                self._keys[ref] = (self._digest(ref), ref.box)
+        return [self._keys[ref] for ref in refs]
+
+    def _digest(self, ref: ImageRef) -> str:
+        if ref.member is not None:
+            return hashlib.blake2b(parquet_image_bytes(ref.path, ref.member), digest_size=16).hexdigest()
+        where = (ref.path, None)  # one digest per file, whatever crops of it are asked for
+        if where not in self._file_digests:
+            try:
+                with open(ref.path, "rb") as handle:
+                    self._file_digests[where] = hashlib.file_digest(handle, lambda: hashlib.blake2b(digest_size=16)
+                                                                    ).hexdigest()
+            except OSError:  # left to the decoder, whose error names the benchmark image
+                self._file_digests[where] = f"unreadable:{ref.path}"
+        return self._file_digests[where]
+
+
 class EmbeddingScorer(Scorer):
-    """Cosine similarity of L2-normalised embeddings, each unique image and text embedded once (a text once per
-    `text_keys` key, the first string seen with it standing for the others)."""
+    """Cosine similarity of L2-normalised embeddings, each unique image and text embedded once: an image once per
+    content (`ImageKeys`: across benchmarks too), a text once per `text_keys` key (the first string seen with it
+    standing for the others). `embedded` counts what was encoded, and the references asked for."""
 
     def __init__(self, batch_size: int = 256):
         self.batch_size = batch_size
         self.images = EmbeddingTable()
         self.texts = EmbeddingTable()
+        self.image_keys = ImageKeys()
+        self.embedded = {"images": 0, "texts": 0, "image_refs": 0}
 
     @abstractmethod
     def embed_images(self, refs: Sequence[ImageRef], progress: bool) -> Tensor:
@@ -117,13 +154,22 @@ class EmbeddingScorer(Scorer):
         """Embeddings [len(texts), D]."""
 
     def prepare(self, images: Sequence[ImageRef], texts: Sequence[str], progress: bool = False) -> None:
+        self.embedded["image_refs"] += len(unique(images))
         self._fill_images(images, progress)
         self._fill_texts(texts, progress)
 
-    def _fill_images(self, refs: Sequence[ImageRef], progress: bool) -> None:
-        todo = self.images.missing(refs)
+    def _fill_images(self, refs: Sequence[ImageRef], progress: bool) -> list:
+        """The content keys of `refs`, after embedding one reference of each key the table lacks."""
+        keys = self.image_keys.keys(refs)
+        todo: Dict[Hashable, ImageRef] = {}
+        for key, ref in zip(keys, refs):
+            if key not in self.images.row:
+                todo.setdefault(key, ref)
         if todo:
-            self.images.add(todo, F.normalize(self.embed_images(todo, progress).float().cpu(), dim=-1))
+            embeddings = self.embed_images(list(todo.values()), progress)
+            self.images.add(list(todo), F.normalize(embeddings.float().cpu(), dim=-1))
+            self.embedded["images"] += len(todo)
+        return keys
 
     def _fill_texts(self, texts: Sequence[str], progress: bool) -> list:
         """The keys of `texts`, after embedding one text of each key the table lacks."""
@@ -135,11 +181,11 @@ class EmbeddingScorer(Scorer):
         if todo:
             embeddings = self.embed_texts(list(todo.values()), progress)
             self.texts.add(list(todo), F.normalize(embeddings.float().cpu(), dim=-1))
+            self.embedded["texts"] += len(todo)
         return keys
 
     def image_embeddings(self, refs: Sequence[ImageRef]) -> Tensor:
-        self._fill_images(refs, False)
-        return self.images.lookup(refs)
+        return self.images.lookup(self._fill_images(refs, False))
 
     def text_embeddings(self, texts: Sequence[str]) -> Tensor:
         return self.texts.lookup(self._fill_texts(texts, False))

@@ -53,6 +53,8 @@ from evaluation.benchmarks.base import (
     macro,
     percent,
 )
+from evaluation.benchmarks.combined import Composite
+from evaluation.benchmarks.sources import DataSource, published
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,28 @@ def _require(path: Path, index: int, record: object, fields: Sequence[str]) -> N
         raise ValueError(f"{path}: record {index} lacks {', '.join(missing)}")
 
 
+ARO_HOME = "https://github.com/mertyg/vision-language-models-are-bows"
+# Google Drive ids of the authors' files, as `dataset_zoo/aro_datasets.py` downloads them with gdown.
+VG_IMAGES_DRIVE_ID = "1qaPlrwhGNMrR3a11iopZUT_GPP_LrgP9"
+
+
+def _visual_genome_source(annotation: str, drive_id: str) -> DataSource:
+    return DataSource(
+        home=ARO_HOME, licence="MIT (code and annotations); images: Visual Genome, CC BY 4.0",
+        size="annotations 7-9 MB; images: vgr_vga_images.zip (about 1 GB)",
+        by_hand=f"gdown --id {drive_id} -O <root>/{annotation}; gdown --id {VG_IMAGES_DRIVE_ID} -O "
+                "<root>/vgr_vga_images.zip and unzip it in <root> (it holds images/)")
+
+
+def _order_source(annotation: str, licence: str, images: str) -> DataSource:
+    """An Order set's files: BLIP's Karpathy-split test file (which the authors' loader downloads) and `images`."""
+    return DataSource(
+        home=ARO_HOME, licence=licence,
+        size="annotation 0.5-2 MB; images: 4-6 GB",
+        by_hand=f"https://storage.googleapis.com/sfr-vision-language-research/datasets/{annotation} -> "
+                f"<root>/{annotation}; images: {images}")
+
+
 class _VisualGenomeBenchmark(JsonListBenchmark):
     """VG-Relation and VG-Attribution share files, items and the per-item rule; they differ in grouping."""
 
@@ -124,6 +148,8 @@ class VGRelation(_VisualGenomeBenchmark):
     name = "aro_vg_relation"
     headline = ("macro", "micro")
     description = "ARO VG-Relation: macro accuracy over non-excluded relations, true vs swapped caption (%)"
+    data_source = _visual_genome_source("visual_genome_relation.json", "1kX2iCHEv0CADL8dSO1nMdW-V0NqIAiP3")
+    published = published({"macro": 59.90}, "vl_compo")
     annotation_file = "visual_genome_relation.json"
     group_key = "relation"
 
@@ -149,6 +175,8 @@ class VGAttribution(_VisualGenomeBenchmark):
     name = "aro_vg_attribution"
     headline = ("macro", "micro")
     description = "ARO VG-Attribution: macro accuracy over attribute pairs with >= 25 items (%)"
+    data_source = _visual_genome_source("visual_genome_attribution.json", "13tWvOrNOLHxl3Rm9cR3geAdHx2qR3-Tw")
+    published = published({"macro": 63.20}, "vl_compo")
     annotation_file = "visual_genome_attribution.json"
     group_key = "attributes"
 
@@ -281,6 +309,9 @@ class COCOOrder(_OrderBenchmark):
 
     name = "aro_coco_order"
     description = "ARO COCO-Order: Precision@1 of the caption against 4 word-order perturbations (%)"
+    data_source = _order_source("coco_karpathy_test.json", "COCO captions, CC BY 4.0; images: Flickr terms",
+                                "http://images.cocodataset.org/zips/val2014.zip (6.2 GB) unzipped into <root> (val2014/)")
+    published = published({"precision_at_1": 47.56}, "vl_compo")
     annotation_file = "coco_karpathy_test.json"
 
 
@@ -289,4 +320,16 @@ class Flickr30kOrder(_OrderBenchmark):
 
     name = "aro_flickr_order"
     description = "ARO Flickr30k-Order: Precision@1 of the caption against 4 word-order perturbations (%)"
+    data_source = _order_source("flickr30k_test.json", "Flickr30k's terms (research use), captions and images",
+                                "after the form at https://forms.illinois.edu/sec/229675, unzipped into <root> "
+                                "(flickr30k-images/)")
+    published = published({"precision_at_1": 59.56}, "vl_compo")
     annotation_file = "flickr30k_test.json"
+
+
+# ARO's one number, as vl_compo and fsc-clip report it: the plain mean of the four sets, each by the authors' rule
+# (VG sets macro over relations / attribute pairs; Order sets by `argmax`, a tie with the caption counted right).
+ARO_MEAN = Composite("aro", "ARO: mean of VG-Relation, VG-Attribution, COCO-Order and Flickr30k-Order (%)",
+                     (("aro_vg_relation", "macro"), ("aro_vg_attribution", "macro"),
+                      ("aro_coco_order", "precision_at_1_argmax"), ("aro_flickr_order", "precision_at_1_argmax")),
+                     published({"mean": 57.55}, "vl_compo"))

@@ -25,9 +25,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePath
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
+
+from evaluation.benchmarks.sources import DataSource, Published
 
 Outcome = Dict[str, object]
 
@@ -83,13 +85,17 @@ class MissingBenchmarkData(FileNotFoundError):
 class Benchmark(ABC):
     """A benchmark over the files under `root` (its official layout).
 
-    Subclasses set `name` (the registry key), `headline` (the aggregate keys a summary table shows) and
-    `description`, and implement `required_files`, `outcomes` and `aggregate`.
+    Subclasses set `name` (the registry key), `headline` (the aggregate keys a summary table shows),
+    `description`, `data_source` (where the files come from: `sources.DataSource`) and `published` (headline numbers
+    published for OpenAI CLIP ViT-B/32, by aggregate key), and implement `required_files`, `outcomes` and
+    `aggregate`.
     """
 
     name: str = ""
     headline: Tuple[str, ...] = ()
     description: str = ""
+    data_source: Optional[DataSource] = None
+    published: Mapping[str, Published] = {}
 
     def __init__(self, root: str | Path):
         self.root = Path(root)

@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from evaluation.benchmarks.aro import pre_caption as blip_pre_caption
 from evaluation.benchmarks.base import Benchmark, ImageRef, MissingBenchmarkData, Outcome, percent, Scorer, unique
+from evaluation.benchmarks.sources import DataSource, published
 
 RECALL_AT = (1, 5, 10)
 
@@ -153,6 +154,15 @@ class CocoRetrieval(_Retrieval):
 
     name = "coco_retrieval"
     description = "COCO 5k (Karpathy test) image-text retrieval: R@1/5/10 both ways (%)"
+    data_source = DataSource(
+        home="https://cs.stanford.edu/people/karpathy/deepimagesent/",
+        licence="annotations CC BY 4.0 (COCO); images: Flickr terms",
+        size="dataset_coco.json 140 MB (or BLIP's coco_karpathy_test.json, 2 MB); images: COCO val2014, 6.2 GB",
+        by_hand="caption_datasets.zip from the page above (dataset_coco.json) or https://storage.googleapis.com/"
+                "sfr-vision-language-research/datasets/coco_karpathy_test.json into <root>; COCO val2014 images "
+                "(http://images.cocodataset.org/zips/val2014.zip) unzipped into <root>")
+    published = published({"i2t_r1": 50.12, "i2t_r5": 75.0, "i2t_r10": 83.54, "t2i_r1": 30.45, "t2i_r5": 55.97,
+                           "t2i_r10": 66.86}, "vl_compo")
     karpathy_file = "dataset_coco.json"
     blip_file = "coco_karpathy_{split}.json"
 
@@ -163,6 +173,15 @@ class Flickr30kRetrieval(_Retrieval):
 
     name = "flickr30k_retrieval"
     description = "Flickr30k 1k (Karpathy test) image-text retrieval: R@1/5/10 both ways (%)"
+    data_source = DataSource(
+        home="https://cs.stanford.edu/people/karpathy/deepimagesent/",
+        licence="research use (Flickr30k's terms, by a sign-up form)",
+        size="dataset_flickr30k.json 36 MB (or BLIP's flickr30k_test.json); images 4.2 GB",
+        by_hand="caption_datasets.zip from the page above (dataset_flickr30k.json) or https://storage.googleapis."
+                "com/sfr-vision-language-research/datasets/flickr30k_test.json into <root>; images after the form "
+                "at https://forms.illinois.edu/sec/229675, unzipped into <root>/flickr30k-images")
+    published = published({"i2t_r1": 78.8, "i2t_r5": 94.9, "i2t_r10": 98.2, "t2i_r1": 58.76, "t2i_r5": 83.5,
+                           "t2i_r10": 90.04}, "vl_compo")
     karpathy_file = "dataset_flickr30k.json"
     blip_file = "flickr30k_{split}.json"
     karpathy_image_dir = "flickr30k-images"

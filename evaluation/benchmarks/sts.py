@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.benchmarks.base import Benchmark, MissingBenchmarkData, Outcome, Scorer, unique
+from evaluation.benchmarks.sources import DataSource
 
 SICK_FULL = "SICK.txt"
 SICK_SEMEVAL = {"train": "SICK_train.txt", "trial": "SICK_trial.txt", "test": "SICK_test_annotated.txt"}
@@ -85,6 +86,9 @@ class SickR(_SentencePairs):
 
     name = "sickr"
     description = "SICK-R: Spearman x 100 of text cosine vs relatedness (unsupervised)"
+    data_source = DataSource(home="https://zenodo.org/records/2787612", licence="CC BY-NC-SA 3.0",
+                        size="SICK.txt, 2 MB (9,927 pairs)",
+                        by_hand="SICK.zip from the Zenodo record above, unzipped into <root> (SICK.txt)")
 
     def __init__(self, root: str | Path, split: str = "all"):
         if split not in ("all", *SICK_SEMEVAL):
@@ -111,6 +115,10 @@ class STSB(_SentencePairs):
 
     name = "stsb"
     description = "STS-B (original test split): Spearman x 100 of text cosine vs gold similarity"
+    data_source = DataSource(home="https://ixa2.si.ehu.eus/stswiki/index.php/STSbenchmark",
+                        licence="per source (news, captions, forums); see the page above",
+                        size="Stsbenchmark.tar.gz, 0.4 MB (test: 1,379 pairs)",
+                        by_hand="Stsbenchmark.tar.gz from the page above; put stsbenchmark/sts-test.csv in <root>")
 
     def __init__(self, root: str | Path, split: str = "test"):
         self.split = split

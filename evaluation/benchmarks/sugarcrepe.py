@@ -27,9 +27,22 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent
+from evaluation.benchmarks.sources import COCO_VAL2017, DataSource, github_file, published
 
 SUBSETS = ("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att")
 CATEGORIES = ("replace", "swap", "add")
+
+# The annotation files at the commit the reference numbers above were checked on (RAIVNLab/sugar-crepe, data/).
+REPOSITORY, COMMIT = "RAIVNLab/sugar-crepe", "0047054b243992f0fad63d6f64f7544862daf846"
+FILES = (
+    ("replace_obj", "9d299600639947e9d15281a9ded1382b376cf4ea088a8d08a1314bfe76e81898", 361126),
+    ("replace_att", "9fe55fd4c0a9ad1f85d486d9f6d0215b41f867eb025026e7f7b5ce44352545ee", 176843),
+    ("replace_rel", "356bcc2fc4c6aed3f4d9fd50acc58489bb1fe70c28791f9368d4cbf9ea39cdc9", 312629),
+    ("swap_obj", "073cdb8e253d053614e80710834d9773b09dbc1dd0a412f6f9492262caa1dcad", 57569),
+    ("swap_att", "7a7ce04e5c4c80412b48c6f0c1347fb1a2f5d54c0be6aa429b64d390e442f8d0", 154665),
+    ("add_obj", "1b9d76b93139a937b8dc1ada92a4f05ecc821bb3c291d752428bafadd4bb0682", 484593),
+    ("add_att", "012d88d729693d193760e6f3393b06a1cf874380a9db0062e937201199fe044d", 158863),
+)
 
 
 class SugarCrepe(ItemBenchmark):
@@ -38,6 +51,16 @@ class SugarCrepe(ItemBenchmark):
     name = "sugarcrepe"
     headline = SUBSETS + ("overall_micro", "overall_macro")
     description = "SugarCrepe: 2-way image-to-text accuracy per subset (%)"
+    data_source = DataSource(
+        home="https://github.com/RAIVNLab/sugar-crepe", licence="MIT (annotations); COCO images: Flickr terms",
+        size="7 JSON files, 1.7 MB; images: COCO val2017 (788 MB)",
+        downloads=tuple(github_file(REPOSITORY, COMMIT, f"data/{subset}.json", sha256, size)
+                        for subset, sha256, size in FILES),
+        by_hand=f"COCO val2017 images ({COCO_VAL2017}): unzip into <root>/val2017 or set options.sugarcrepe.images")
+    # vl_compo's numbers are on the current files (swap_obj without key "108"), as a run here is.
+    published = published({"replace_obj": 90.92, "replace_att": 80.08, "replace_rel": 69.20, "swap_obj": 61.22,
+                           "swap_att": 63.96, "add_obj": 77.21, "add_att": 68.79, "overall_macro": 73.03},
+                          "vl_compo")
 
     def __init__(self, root: str | Path, images: Optional[str | Path] = None):
         super().__init__(root)

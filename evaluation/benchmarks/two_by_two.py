@@ -25,6 +25,7 @@ import numpy as np
 
 from evaluation.benchmarks.base import (GENERATED, ImageOrigin, ImageRef, Item, ItemBenchmark, MissingBenchmarkData,
                                          Outcome, percent, require)
+from evaluation.benchmarks.sources import DataSource, published
 from evaluation.benchmarks.images import read_parquet_rows
 
 SCORES = ("text", "image", "group")
@@ -177,6 +178,14 @@ class Winoground(TwoByTwoBenchmark):
     name = "winoground"
     headline = SCORES
     description = "Winoground: text / image / group scores (%)"
+    data_source = DataSource(
+        home="https://huggingface.co/datasets/facebook/winoground",
+        licence="research use only, by a click-through agreement; images licensed from Getty Images",
+        size="400 items, 800 images: 364 MB",
+        by_hand="accept the agreement on the dataset page, then huggingface-cli download --repo-type dataset "
+                "facebook/winoground --local-dir <root> (data/test-*.parquet, or data/examples.jsonl with the "
+                "unzipped data/images.zip)")
+    published = published({"text": 31.25, "image": 11.0, "group": 8.75}, "vl_compo")
     outcome_fields = ("tag", "secondary_tag", "collapsed_tag", "num_main_preds")
 
     def __init__(self, root: str | Path, images: str | Path | None = None, source: str = "auto"):
@@ -266,6 +275,12 @@ class BiVLC(TwoByTwoBenchmark):
     name = "bivlc"
     headline = ("I2T", "T2I", "Group")
     description = "BiVLC: image-to-text, text-to-image and group scores (%)"
+    data_source = DataSource(
+        home="https://huggingface.co/datasets/imirandam/BiVLC", licence="MIT; COCO photos: Flickr terms",
+        size="2,933 items with embedded images: 537 MB of parquet",
+        by_hand="huggingface-cli download --repo-type dataset imirandam/BiVLC --local-dir <root> "
+                "(data/test-*.parquet)")
+    published = published({"I2T": 75.83, "T2I": 52.40, "Group": 49.06}, "bivlc")
     outcome_fields = ("type", "subtype")
 
     def required_files(self) -> list[str]:
@@ -322,6 +337,10 @@ class BiSCoRCtrl(TwoByTwoBenchmark):
     name = "biscor_ctrl"
     headline = ("group",)
     description = "BiSCoR-Ctrl (format assumed until release): text / image / group scores (%)"
+    data_source = DataSource(home="arXiv 2604.11496 (Miranda et al.)", licence="unknown: not released",
+                        size="unknown: not released",
+                        by_hand="not released yet; write <root>/biscor_ctrl.jsonl and images/ in the assumed "
+                                "format (docs/evaluation.md, BiSCoR-Ctrl)")
     outcome_fields = ("category",)
 
     def __init__(self, root: str | Path, annotations: str = "biscor_ctrl.jsonl", images: str | Path | None = None):
@@ -365,6 +384,9 @@ class ShapesSwap(TwoByTwoBenchmark):
     name = "shapes_swap"
     headline = ("text", "image", "group")
     description = "Shapes-world swap set: text / image / group scores and 2-way caption accuracy per type (%)"
+    data_source = DataSource(home="this repository (datamodules/shapes)", licence="MIT (generated)",
+                        size="generated: 1 MB per 1,000 items at 64 px",
+                        by_hand="python -m datamodules.shapes --out <root> (make demo writes data/shapes)")
     outcome_fields = ("type",)
 
     def __init__(self, root: str | Path, split: str = "val"):

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent
+from evaluation.benchmarks.sources import DataSource, github_file, published
 
 PHENOMENA: dict[str, tuple] = {
     "existence": ("existence",),
@@ -49,6 +50,23 @@ VALID_VOTES = 2  # "at least two out of three annotators identified the caption,
 Folders = str | Path | Sequence[str | Path]
 
 
+# The annotation files at the commit this loader was written against (Heidelberg-NLP/VALSE, data/).
+REPOSITORY, COMMIT = "Heidelberg-NLP/VALSE", "2152d90d4aecd11f7f74cf03420abcb63efff9c5"
+FILES = (
+    ("existence", "b20fca52eba86c544083d423345a2e28e60e601ef61c56c9ac1c73a95a3a6d18", 420403),
+    ("plurals", "43760db7fc8c6f2a21d3536d52f81539cb101f3370e8d2effb09de43d91486a3", 1097122),
+    ("counting-hard", "2cc83615653675fb50914ce2d8ab4041cce1278eed7ac0abf6f319dbce5c967a", 537197),
+    ("counting-small-quant", "ca0645885b05738f6c6df2dffec70c669aaff64114017f33425821faab4bc374", 534996),
+    ("counting-adversarial", "0d23529308449c98b37a91048a865a5f377325eceb9accd73f2947bc512d12b0", 407394),
+    ("relations", "061fc557459c318ccd6734d07c21cfa5bf5ae87aa6b1110b8f5ec3d6b2911043", 664587),
+    ("action-replacement", "336ba134f29a3475d0508809067218909a6bd30f079c59309d19244eccb7917f", 664129),
+    ("actant-swap", "915294ac3ade7c4c067b1c6841d0db93b60cb8a61ac8e2fb6b125c2a1c0ca93a", 503017),
+    ("coreference-standard", "dae1d9eb018acb54e29a1c4983f3563f86ec3b6beb4037a261564270b0473e95", 592329),
+    ("coreference-hard", "ef54d8d971d9e0f264e07de08d9915c6e3d6129a2f239888f2b938f5c2eb4139", 95649),
+    ("foil-it", "6f6f0d7494271ed28f6e6f075c3ba36ba1bc45d00ecf7403920f060915130460", 538911),
+)
+
+
 class Valse(ItemBenchmark):
     """VALSE pairwise accuracy over the valid items.
 
@@ -64,6 +82,14 @@ class Valse(ItemBenchmark):
     name = "valse"
     headline = ("macro_pieces", "macro_phenomena", "micro")
     description = "VALSE: pairwise accuracy acc_r (caption > foil) on the valid items, per piece and averaged (%)"
+    data_source = DataSource(
+        home="https://github.com/Heidelberg-NLP/VALSE", licence="MIT (annotations); images: each source's terms",
+        size="11 JSON files, 6 MB; images from six datasets (about 40 GB in all, a few thousand used)",
+        downloads=tuple(github_file(REPOSITORY, COMMIT, f"data/{piece}.json", sha256, size)
+                        for piece, sha256, size in FILES),
+        by_hand="images from their datasets, one folder per `dataset` value under <root>/images/ (Visual7W, COCO "
+                "2017, SWiG images_512, VisDial v1.0 and val2018, FOIL's COCO val2014): see the VALSE README")
+    published = published({"macro_phenomena": 67.53}, "vl_compo")
 
     def __init__(self, root: str | Path, images: Mapping[str, Folders] | None = None,
                  pieces: Sequence[str] | None = None):

@@ -54,6 +54,7 @@ import numpy as np
 import yaml
 
 from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, MissingBenchmarkData, Outcome, percent
+from evaluation.benchmarks.sources import DataSource, published
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,15 @@ class VLCheckList(ItemBenchmark):
     name = "vl_checklist"
     headline = ("object", "attribute", "relation", "average", "object_location_size", "missing_sources")
     description = "VL-CheckList: ITC accuracy cos(img, POS) > cos(img, NEG), first 1,000 items with an image (%)"
+    # Ten of the annotation files are too large for a plain file download from the repository's raw view to be
+    # pinned here; a checkout at the commit is content-addressed by git itself.
+    data_source = DataSource(
+        home="https://github.com/om-ai-lab/VL-CheckList",
+        licence="no licence file; the package declares 'free for non-commercial use'",
+        size="corpus YAMLs and 61 annotation JSONs, 47 MB; images: Visual Genome, SWiG, HAKE (about 60 GB)",
+        by_hand="git clone https://github.com/om-ai-lab/VL-CheckList <root> && git -C <root> checkout 6f8d6a3; "
+                "images (vg/, swig/, hake/ under <root> or options.vl_checklist.images): DATASETS.md there")
+    published = published({"average": 70.77}, "vl_compo")
 
     def __init__(self, root: str | Path, images: str | Path | None = None, max_items: int | None = MAX_ITEMS,
                  allow_partial: bool = False):

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.benchmarks.base import (ImageRef, Item, JsonListBenchmark, Outcome, beats_all, percent, require)
+from evaluation.benchmarks.sources import COCO_VAL2017, DataSource, published
 from evaluation.benchmarks.combined import CombinedAggregate
 
 PREPOSITIONS_A = ("on", "under", "left_of", "right_of")
@@ -79,6 +80,24 @@ def _per_preposition(outcomes: Sequence[Outcome]) -> dict[str, float]:
     for outcome in outcomes:
         groups[str(outcome["preposition"])].append(bool(outcome["correct"]))
     return {f"prep/{prep}": percent(hits) for prep, hits in sorted(groups.items())}
+
+
+WHATSUP_HOME = "https://github.com/amitakamath/whatsup_vlms"
+
+
+def _whatsup_source(annotation: str, drive_id: str, images: str) -> DataSource:
+    """A What'sUp set's files: the annotation the authors' loader downloads from Google Drive, and `images`
+    (where the set's images come from and where they go)."""
+    return DataSource(home=WHATSUP_HOME, licence="MIT (code and annotations); images: see by_hand",
+                      size="annotation under 1 MB; images: see by_hand",
+                      by_hand=f"gdown --id {drive_id} -O <root>/{annotation}; images: {images}")
+
+
+# The image archives of the authors' loader (Google Drive ids), unzipped into the set's root.
+CONTROLLED_A_IMAGES = "the authors' photos: gdown --id 19KGYVQjrV3syb00GgcavB2nZTW5NXX0H, unzip (controlled_images/)"
+CONTROLLED_B_IMAGES = "the authors' photos: gdown --id 13jdBpg8t3NqW3jrL6FK8HO93vwsUjDxG, unzip (controlled_clevr/)"
+COCO_SPATIAL_IMAGES = f"COCO val2017 (Flickr terms) into <root>/val2017: {COCO_VAL2017}"
+GQA_SPATIAL_IMAGES = "Visual Genome (CC BY 4.0): gdown --id 1idW7Buoz7fQm4-670n-oERw9U-2JLJvE, unzip (vg_images/)"
 
 
 class _WhatsUpSet(JsonListBenchmark):
@@ -138,6 +157,8 @@ def controlled_aggregate(outcomes: Sequence[Outcome], prepositions: tuple[str, .
 class WhatsUpA(_WhatsUpControlled):
     name = "whatsup_a"
     description = "What'sUp Controlled A (on / under / left / right): 4-way accuracy, pair and set accuracy (%)"
+    data_source = _whatsup_source("controlled_images_dataset.json", "1ap8mmmpQjLIjPGuplkpBgc1hoEHCj4hm", CONTROLLED_A_IMAGES)
+    published = published({"accuracy": 30.58}, "vl_compo")
     annotation_file = "controlled_images_dataset.json"
     image_folder = "controlled_images"
     prepositions = PREPOSITIONS_A
@@ -150,6 +171,8 @@ class WhatsUpA(_WhatsUpControlled):
 class WhatsUpB(_WhatsUpControlled):
     name = "whatsup_b"
     description = "What'sUp Controlled B (left / right / front / behind): 4-way accuracy, pair and set accuracy (%)"
+    data_source = _whatsup_source("controlled_clevr_dataset.json", "1unNNosLbdy9NDjgj4l8fsQP3WiAAGA6z", CONTROLLED_B_IMAGES)
+    published = published({"accuracy": 30.88}, "vl_compo")
     annotation_file = "controlled_clevr_dataset.json"
     image_folder = "controlled_clevr"
     prepositions = PREPOSITIONS_B
@@ -235,6 +258,8 @@ class _GqaSpatial(_WhatsUpSpatial):
 class WhatsUpCocoOne(_CocoSpatial):
     name = "whatsup_coco_one"
     description = "What'sUp COCO-spatial, one object: 2-way accuracy (%)"
+    data_source = _whatsup_source("coco_qa_one_obj.json", "1RsMdpE9mmwnK4zzMPpC1-wTU_hNis-dq", COCO_SPATIAL_IMAGES)
+    published = published({"accuracy": 43.26}, "vl_compo")
     annotation_file = "coco_qa_one_obj.json"
 
     def preposition(self, gold: str) -> str:
@@ -244,6 +269,8 @@ class WhatsUpCocoOne(_CocoSpatial):
 class WhatsUpCocoTwo(_CocoSpatial):
     name = "whatsup_coco_two"
     description = "What'sUp COCO-spatial, two objects: 2-way accuracy (%)"
+    data_source = _whatsup_source("coco_qa_two_obj.json", "1TCEoM0mgFmz8T4cF7PQ3XJmO6JjtiQ-s", COCO_SPATIAL_IMAGES)
+    published = published({"accuracy": 50.68}, "vl_compo")
     annotation_file = "coco_qa_two_obj.json"
 
     def preposition(self, gold: str) -> str:
@@ -253,6 +280,8 @@ class WhatsUpCocoTwo(_CocoSpatial):
 class WhatsUpGqaOne(_GqaSpatial):
     name = "whatsup_gqa_one"
     description = "What'sUp GQA-spatial, one object: 2-way accuracy (%)"
+    data_source = _whatsup_source("vg_qa_one_obj.json", "1ARMRzRdohs9QTr1gpIfzyUzvW20wYp_p", GQA_SPATIAL_IMAGES)
+    published = published({"accuracy": 46.29}, "vl_compo")
     annotation_file = "vg_qa_one_obj.json"
 
     def preposition(self, gold: str) -> str:
@@ -262,6 +291,8 @@ class WhatsUpGqaOne(_GqaSpatial):
 class WhatsUpGqaTwo(_GqaSpatial):
     name = "whatsup_gqa_two"
     description = "What'sUp GQA-spatial, two objects: 2-way accuracy (%)"
+    data_source = _whatsup_source("vg_qa_two_obj.json", "1sjVG5O3QMY8s118k7kQM8zzDZH12i_95", GQA_SPATIAL_IMAGES)
+    published = published({"accuracy": 47.08}, "vl_compo")
     annotation_file = "vg_qa_two_obj.json"
 
     def preposition(self, gold: str) -> str:
@@ -283,5 +314,6 @@ WHATSUP_COMBINED = (
     CombinedAggregate("whatsup_gqa_spatial", "GQA-spatial (Table 1): mean accuracy of one- and two-object (%)",
                       ("whatsup_gqa_one", "whatsup_gqa_two"), ("accuracy",)),
     CombinedAggregate("whatsup_six_sets", "What'sUp, all six sets: unweighted mean accuracy (%)",
-                      tuple(cls.name for cls in WHATSUP_BENCHMARKS), ("accuracy",)),
+                      tuple(cls.name for cls in WHATSUP_BENCHMARKS), ("accuracy",),
+                      published({"accuracy": 41.46}, "vl_compo")),
 )

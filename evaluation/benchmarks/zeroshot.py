@@ -41,6 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from evaluation.benchmarks.base import Benchmark, ImageRef, MissingBenchmarkData, Outcome, percent, Scorer, unique
+from evaluation.benchmarks.sources import DataSource, github_file
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ DEFAULT_TEMPLATES = "imagenet1k"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
+# clip_benchmark's class names and prompts at the commit this loader was written against.
+CLIP_BENCHMARK, CLIP_BENCHMARK_COMMIT = "LAION-AI/CLIP_benchmark", "48de38c1689fa6d8b4dd53e3370c669c3bb18117"
+
+
 class ZeroShotClassification(Benchmark):
     """Args: root (the two clip_benchmark JSON files), images (class-folder tree; default `<root>/images`),
     dataset (key in both files; default "imagenet1k"), classes (class folders in label order; default sorted),
@@ -59,6 +64,15 @@ class ZeroShotClassification(Benchmark):
     name = "zeroshot"
     headline = ("top1", "top5", "mean_per_class_recall")
     description = "Zero-shot classification with clip_benchmark prompts: top-1 / top-5 / mean per-class recall (%)"
+    data_source = DataSource(
+        home="https://github.com/LAION-AI/CLIP_benchmark", licence="MIT (names and prompts); images: the dataset's",
+        size="2 JSON files, 48 KB; images: the chosen dataset's (ImageNet val: 6.3 GB)",
+        downloads=(github_file(CLIP_BENCHMARK, CLIP_BENCHMARK_COMMIT, f"clip_benchmark/datasets/{CLASSNAMES_FILE}",
+                               "73d279021a4bc88059884d01fae66c35ec33793ede8bc9ae54c46632625c4993", 39429),
+                   github_file(CLIP_BENCHMARK, CLIP_BENCHMARK_COMMIT, f"clip_benchmark/datasets/{TEMPLATES_FILE}",
+                               "b78cc883ce1d6aefd304f180046ee25e778d627e099222fbcc57f01657c53c31", 8905)),
+        by_hand="the images as one folder per class under <root>/images (ImageNet: its val/ with synset folders, "
+                "after registering at image-net.org)")
 
     def __init__(self, root: str | Path, images: str | Path | None = None, dataset: str = DEFAULT_TEMPLATES,
                  classes: Sequence[str] | None = None, chunk_size: int = 1024):
@@ -188,6 +202,9 @@ class ShapesZeroShot(Benchmark):
     name = "shapes_zeroshot"
     headline = ("shape_top1", "color_top1")
     description = "Shapes-world zero-shot recognition: each object's shape and colour from the world's captions (%)"
+    data_source = DataSource(home="this repository (datamodules/shapes)", licence="MIT (generated)",
+                        size="generated: 1 MB per 1,000 images at 64 px",
+                        by_hand="python -m datamodules.shapes --out <root> (make demo writes data/shapes)")
     attributes = ("shape", "color")
     CROP_SCALE = 2.0
 
