@@ -323,9 +323,10 @@ def markdown_tables(results: Sequence[BenchmarkResult], metadata: Mapping[str, o
         lines += ["", f"Published numbers are for {REFERENCE_MODEL} (sources: docs/evaluation.md, "
                       "\"Reference numbers\"); a setup that reproduces them scores that model within a point."]
     for result in results:
-        lines += _full_table(result.name, BENCHMARKS[result.name].description, result.aggregates)
+        benchmark = BENCHMARKS[result.name]
+        lines += _full_table(result.name, benchmark.description, result.aggregates, benchmark.published)
     for name, aggregates in combined.items():
-        lines += _full_table(name, COMBINED[name].description, aggregates)
+        lines += _full_table(name, COMBINED[name].description, aggregates, COMBINED[name].published)
     return "\n".join(lines) + "\n"
 
 
@@ -362,9 +363,13 @@ def _published_cell(headline: Sequence[str], published: Mapping[str, Published])
     return ", ".join(shown) or "-"
 
 
-def _full_table(name: str, description: str, aggregates: Mapping[str, object]) -> List[str]:
-    return (["", f"## {name}", "", description, "", "| metric | value |", "|---|---:|"]
-            + [f"| {key} | {_fmt(value)} |" for key, value in aggregates.items()])
+def _full_table(name: str, description: str, aggregates: Mapping[str, object],
+                published: Mapping[str, Published]) -> List[str]:
+    def reference(key: str) -> str:
+        return f"{published[key].value:.2f} ({published[key].source})" if key in published else ""
+
+    return (["", f"## {name}", "", description, "", "| metric | value | published |", "|---|---:|---:|"]
+            + [f"| {key} | {_fmt(value)} | {reference(key)} |" for key, value in aggregates.items()])
 
 
 def csv_table(results: Sequence[BenchmarkResult],

@@ -188,10 +188,10 @@ class ContentHashes:
         """The digest of the bytes image `ref` decodes (a crop: its whole file)."""
         if ref.member is None:
             return self.of_file(ref.path)
-        from evaluation.benchmarks.images import parquet_image_bytes
+        from evaluation.benchmarks.images import member_bytes
 
         return self._cached(f"{ref.path}#{ref.member}", ref.path,
-                            lambda: hashlib.sha256(parquet_image_bytes(ref.path, ref.member)).hexdigest())
+                            lambda: hashlib.sha256(member_bytes(ref.path, ref.member)).hexdigest())
 
     def _cached(self, key: str, path: str, digest) -> Optional[str]:
         try:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from core.cli import AUTOCAST, autocast_dtype, check_precision
 from evaluation.benchmarks.base import ImageRef, Scorer, unique
-from evaluation.benchmarks.images import load_image, parquet_image_bytes
+from evaluation.benchmarks.images import load_image, member_bytes
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class ImageKeys:
 
     def _digest(self, ref: ImageRef) -> str:
         if ref.member is not None:
-            return hashlib.blake2b(parquet_image_bytes(ref.path, ref.member), digest_size=16).hexdigest()
+            return hashlib.blake2b(member_bytes(ref.path, ref.member), digest_size=16).hexdigest()
         where = (ref.path, None)  # one digest per file, whatever crops of it are asked for
         if where not in self._file_digests:
             try:

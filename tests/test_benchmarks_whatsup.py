@@ -217,7 +217,10 @@ HAND_MADE_SETS = {
 
 def test_table_1_macro_averages_from_hand_made_set_aggregates():
     combined = combined_aggregates(HAND_MADE_SETS)
-    assert list(combined) == ["whatsup_ab", "whatsup_coco_spatial", "whatsup_gqa_spatial", "whatsup_six_sets"]
+    # the What'sUp means, and the suites whose What'sUp part is the six-set mean (NaN: their other parts are absent)
+    assert list(combined) == ["whatsup_ab", "whatsup_coco_spatial", "whatsup_gqa_spatial", "whatsup_six_sets",
+                              "vl_compo_comp_avg", "fsc_clip_comp"]
+    assert np.isnan(combined["vl_compo_comp_avg"]["mean"]) and combined["vl_compo_comp_avg"]["parts_scored"] == 1
     assert combined["whatsup_ab"] == {
         "accuracy": 32.5, "pair_accuracy": 30.0, "set_accuracy": 10.0,
         "whatsup_a/accuracy": 25.0, "whatsup_b/accuracy": 40.0, "whatsup_a/pair_accuracy": 50.0,

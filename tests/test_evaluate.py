@@ -235,7 +235,8 @@ def test_evaluations_into_one_folder_accumulate_and_reaggregate_restores_the_tab
     def tables():
         document = json.loads((out / "aggregates.json").read_text())
         with open(out / "results.csv", newline="") as handle:
-            csv_names = {row["benchmark"] for row in csv.DictReader(handle)}
+            # the suites' composites (SugarCrepe is one of their parts) are rows too, naming what they lack
+            csv_names = {row["benchmark"] for row in csv.DictReader(handle)} - {"vl_compo_comp_avg", "fsc_clip_comp"}
         return document, csv_names, (out / "results.md").read_text()
 
     document, csv_names, markdown = tables()

@@ -64,3 +64,34 @@ def test_shape_problems():
     assert "aspect ratio" in image_shape_problem((10000, 10))
     assert "aspect ratio" in image_shape_problem((10, 10000))
     assert image_shape_problem((int(MAX_ASPECT_RATIO * 50), 50)) is None  # the limit itself is accepted
+
+
+def test_a_benchmark_image_inside_a_zip_archive_decodes_and_a_missing_member_is_named(tmp_path):
+    """ELEVATER's images stay in their archives (`<archive>.zip@<member>`): read from there, errors name both."""
+    import io
+    import zipfile
+
+    from evaluation.benchmarks.base import ImageRef
+    from evaluation.benchmarks.images import UnreadableImageError, load_image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (6, 4), (10, 200, 30)).save(buffer, format="PNG")
+    with zipfile.ZipFile(tmp_path / "test.zip", "w") as archive:
+        archive.writestr("images/a.png", buffer.getvalue())
+    image = load_image(ImageRef(str(tmp_path / "test.zip"), member="images/a.png"))
+    assert image.size == (6, 4) and image.getpixel((0, 0)) == (10, 200, 30)
+    with pytest.raises(UnreadableImageError, match=r"test\.zip \(images/b\.png\).*holds no member 'images/b\.png'"):
+        load_image(ImageRef(str(tmp_path / "test.zip"), member="images/b.png"))
+    (tmp_path / "broken.zip").write_bytes(b"not a zip")
+    with pytest.raises(UnreadableImageError, match=r"broken\.zip.*not a readable zip archive"):
+        load_image(ImageRef(str(tmp_path / "broken.zip"), member="images/a.png"))
+
+
+def test_a_bgr_npy_frame_decodes_to_rgb(tmp_path):
+    from evaluation.benchmarks.base import ImageRef
+    from evaluation.benchmarks.images import load_image
+
+    frame = np.zeros((4, 6, 3), dtype=np.uint8)
+    frame[..., 0] = 255  # blue, stored first (BGR)
+    np.save(tmp_path / "frame.npy", frame)
+    assert load_image(ImageRef(str(tmp_path / "frame.npy"))).getpixel((0, 0)) == (0, 0, 255)

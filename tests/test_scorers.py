@@ -281,3 +281,44 @@ def test_a_perturbation_differing_only_in_spaces_around_punctuation_is_a_counted
     aggregate = COCOOrder.aggregate(outcomes)
     assert aggregate["ties"] == len(texts) and aggregate["precision_at_1"] == 0.0
     assert scorer.text_keys([texts[0][0]]) == scorer.text_keys([spaced(texts[0][0])])
+
+
+def test_an_image_is_embedded_once_per_content_whatever_its_path_or_container(tmp_path):
+    """Benchmarks take the same photos from other datasets, each from its own folder or container (a COCO image
+    under SugarCrepe's and What'sUp's folders, inside BiVLC's parquet): one embedding per content and crop."""
+    import zipfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    photo = write_image(tmp_path / "sugarcrepe" / "val2017" / "000000000139.jpg", seed=1)
+    other = write_image(tmp_path / "other.png", seed=2)
+    copy = tmp_path / "whatsup" / "val2017" / "000000000139.jpg"
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(photo.read_bytes())
+    table = pa.table({"image": [{"bytes": photo.read_bytes(), "path": "000000000139.jpg"}]})
+    pq.write_table(table, tmp_path / "bivlc.parquet")
+    with zipfile.ZipFile(tmp_path / "test.zip", "w") as archive:
+        archive.writestr("images/a.jpg", photo.read_bytes())
+    refs = [ImageRef(str(photo)), ImageRef(str(copy)), ImageRef(str(tmp_path / "bivlc.parquet"), member="image:0"),
+            ImageRef(str(tmp_path / "test.zip"), member="images/a.jpg"), ImageRef(str(other)),
+            ImageRef(str(photo), box=(0, 0, 20, 20))]
+    embedded = []
+
+    class Recording(EmbeddingScorer):
+        def embed_images(self, batch, progress):
+            embedded.extend(batch)
+            return torch.stack([torch.tensor(np.asarray(load_image(ref), dtype=np.float32).mean(axis=(0, 1)))
+                                for ref in batch])
+
+        def embed_texts(self, texts, progress):
+            return torch.ones(len(texts), 3)
+
+    scorer = Recording()
+    scorer.prepare(refs[:3], ["a cat"])
+    scorer.prepare(refs, ["a cat"])  # a second benchmark: only new contents are embedded
+    assert embedded == [refs[0], refs[4], refs[5]]  # the photo once, the other image, the crop of the photo
+    assert scorer.embedded == {"images": 3, "texts": 1, "image_refs": 9}
+    similarity = scorer.score(refs, ["a cat"])[:, 0]
+    assert similarity[0] == similarity[1] == similarity[2] == similarity[3]
+    assert similarity[4] != similarity[0] and similarity[5] != similarity[0]

@@ -310,7 +310,8 @@ class COCOOrder(_OrderBenchmark):
     name = "aro_coco_order"
     description = "ARO COCO-Order: Precision@1 of the caption against 4 word-order perturbations (%)"
     data_source = _order_source("coco_karpathy_test.json", "COCO captions, CC BY 4.0; images: Flickr terms",
-                                "http://images.cocodataset.org/zips/val2014.zip (6.2 GB) unzipped into <root> (val2014/)")
+                                "http://images.cocodataset.org/zips/val2014.zip (6.2 GB), unzipped into <root> "
+                                "(val2014/)")
     published = published({"precision_at_1": 47.56}, "vl_compo")
     annotation_file = "coco_karpathy_test.json"
 

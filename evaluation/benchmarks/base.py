@@ -39,10 +39,11 @@ class ImageRef:
     """Where an image is: a file, optionally cropped, or a cell of a container file.
 
     Attributes:
-        path: the image file, or the container (a parquet file) when `member` is set.
+        path: the image file (a `.npy` file is a BGR video frame), or the container (a parquet file or a zip
+            archive) when `member` is set.
         box: optional crop `(x, y, w, h)` in pixels, applied after decoding (ARO's `bbox_*` fields).
         member: for a parquet container, `"<column>:<row>"` whose cell holds `{"bytes", "path"}` (the
-            Hugging Face image feature).
+            Hugging Face image feature); for a zip archive, the member's name.
     """
 
     path: str
@@ -197,9 +198,29 @@ class JsonListBenchmark(ItemBenchmark):
         """The item of record `index` of the file `path` (malformed records: ValueError naming both)."""
 
 
+def read_text(path: Path, encoding: str = "utf-8") -> str:
+    """An annotation file's text; a file in another encoding (or cut inside a character) is a ValueError naming it."""
+    try:
+        return Path(path).read_bytes().decode(encoding)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not a UTF-8 text file ({error}); copy it again from the benchmark's release") \
+            from error
+
+
+def read_json(path: Path):
+    """An annotation file's JSON content; a file that is not UTF-8 JSON (truncated, another encoding) is a
+    ValueError naming it."""
+    text = read_text(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a whole JSON file ({error}); copy it again from the benchmark's release") \
+            from error
+
+
 def load_json_list(path: Path) -> list:
     """A JSON file that must hold a list of records."""
-    records = json.loads(Path(path).read_text(encoding="utf-8"))
+    records = read_json(path)
     require(isinstance(records, list), f"{path}: expected a JSON list of records, found {type(records).__name__}")
     return records
 
@@ -331,6 +352,8 @@ def image_file_name(ref: ImageRef) -> str:
     name recorded with it (the Hugging Face image feature's `path`; the container's path when none is)."""
     if ref.member is None:
         return ref.path
+    if ref.path.lower().endswith(".zip"):
+        return ref.member
     from evaluation.benchmarks.images import parquet_image_names  # images.py imports this module
 
     column, _, row = ref.member.rpartition(":")

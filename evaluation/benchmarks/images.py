@@ -1,11 +1,15 @@
-"""Decoding a benchmark image from an `ImageRef`: a file, a crop of a file, or a cell of a parquet file."""
+"""Decoding a benchmark image from an `ImageRef`: a file (a `.npy` file is a BGR video frame), a crop of a file, or a
+cell of a parquet file."""
 from __future__ import annotations
 
 import io
+import os
+import zipfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, List, Optional
 
+import numpy as np
 from PIL import Image
 
 from evaluation.benchmarks.base import ImageRef
@@ -27,7 +31,9 @@ def load_image(ref: ImageRef) -> Image.Image:
 
 def _decode(ref: ImageRef) -> Image.Image:
     if ref.member is not None:
-        image = Image.open(io.BytesIO(parquet_image_bytes(ref.path, ref.member)))
+        image = Image.open(io.BytesIO(member_bytes(ref.path, ref.member)))
+    elif ref.path.endswith(".npy"):
+        image = read_npy_frame(ref.path)
     else:
         image = Image.open(ref.path)
     with image:  # closed at once: an evaluation opens thousands of files
@@ -36,6 +42,39 @@ def _decode(ref: ImageRef) -> Image.Image:
         x, y, w, h = ref.box
         rgb = rgb.crop((x, y, x + w, y + h))  # PIL rounds float boxes, as the ARO reference does
     return rgb
+
+
+def read_npy_frame(path: str | Path) -> Image.Image:
+    """A video frame stored as a numpy array [H, W, 3] of uint8 in BGR order (EqBen's YouCook2 frames, read as its
+    `process_img_npy` reads them), as an RGB image."""
+    try:
+        array = np.load(path)
+    except (ValueError, EOFError) as error:  # not an .npy file, a pickled object array, a truncated file
+        raise OSError(f"{path}: not a numpy array file ({error})") from error
+    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
+        raise OSError(f"{path}: expected a [H, W, 3] uint8 array, found {array.dtype} {array.shape}")
+    return Image.fromarray(np.ascontiguousarray(array[:, :, [2, 1, 0]]), "RGB")
+
+
+def member_bytes(path: str, member: str) -> bytes:
+    """The encoded bytes of an image inside a container file: a member of a zip archive (`path` ends in .zip,
+    `member` is its name there, as ELEVATER's `<archive>.zip@<member>` names images) or the Hugging Face image
+    cell `"<column>:<row>"` of a parquet file."""
+    if path.lower().endswith(".zip"):
+        try:
+            return _zip_archive(path, os.getpid()).read(member)
+        except KeyError as err:  # an OSError, so that load_image names the archive and the member
+            raise FileNotFoundError(f"{path} holds no member {member!r}") from err
+        except zipfile.BadZipFile as err:
+            raise OSError(f"{path}: not a readable zip archive ({err})") from err
+    return parquet_image_bytes(path, member)
+
+
+@lru_cache(maxsize=16)
+def _zip_archive(path: str, pid: int) -> zipfile.ZipFile:
+    """One open archive per process (`pid` is part of the key): a handle inherited by a forked DataLoader worker
+    would share its file offset with the parent's."""
+    return zipfile.ZipFile(path)
 
 
 def parquet_image_bytes(path: str, member: str) -> bytes:

@@ -118,7 +118,8 @@ PUBLICATIONS: Mapping[str, str] = {
     "eqben": "Wang et al., Equivariant Similarity for Vision-Language Foundation Models (EqBen), ICCV 2023 "
              "(Wangt-CN/EqBen)",
     "coco_counterfactuals": "Le et al., COCO-Counterfactuals, NeurIPS 2023 Datasets and Benchmarks "
-                            "(Intel/COCO-Counterfactuals)",
+                            "(Intel/COCO-Counterfactuals); zero-shot CLIP row of coco-cfs-evaluation/"
+                            "evaluate_coco_cfs_clip.csv in IntelLabs/multimodal_cognitive_ai, commit 860cd01",
     "elevater": "Li et al., ELEVATER, NeurIPS 2022 Datasets and Benchmarks "
                 "(Computer-Vision-in-the-Wild/Elevater_Toolkit_IC)",
 }

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.benchmarks.base import (GENERATED, ImageOrigin, ImageRef, Item, ItemBenchmark, MissingBenchmarkData,
-                                         Outcome, percent, require)
+                                         Outcome, percent, read_text, require)
 from evaluation.benchmarks.sources import DataSource, published
 from evaluation.benchmarks.images import read_parquet_rows
 
@@ -91,7 +91,7 @@ class TwoByTwoBenchmark(ItemBenchmark):
 def read_jsonl(path: Path) -> list[dict]:
     """The JSON objects of a JSON-lines file (blank lines skipped); ValueError naming the bad line."""
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
         if line.strip():
             try:
                 record = json.loads(line)

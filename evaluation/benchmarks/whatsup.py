@@ -157,7 +157,8 @@ def controlled_aggregate(outcomes: Sequence[Outcome], prepositions: tuple[str, .
 class WhatsUpA(_WhatsUpControlled):
     name = "whatsup_a"
     description = "What'sUp Controlled A (on / under / left / right): 4-way accuracy, pair and set accuracy (%)"
-    data_source = _whatsup_source("controlled_images_dataset.json", "1ap8mmmpQjLIjPGuplkpBgc1hoEHCj4hm", CONTROLLED_A_IMAGES)
+    data_source = _whatsup_source("controlled_images_dataset.json", "1ap8mmmpQjLIjPGuplkpBgc1hoEHCj4hm",
+                                  CONTROLLED_A_IMAGES)
     published = published({"accuracy": 30.58}, "vl_compo")
     annotation_file = "controlled_images_dataset.json"
     image_folder = "controlled_images"
@@ -171,7 +172,8 @@ class WhatsUpA(_WhatsUpControlled):
 class WhatsUpB(_WhatsUpControlled):
     name = "whatsup_b"
     description = "What'sUp Controlled B (left / right / front / behind): 4-way accuracy, pair and set accuracy (%)"
-    data_source = _whatsup_source("controlled_clevr_dataset.json", "1unNNosLbdy9NDjgj4l8fsQP3WiAAGA6z", CONTROLLED_B_IMAGES)
+    data_source = _whatsup_source("controlled_clevr_dataset.json", "1unNNosLbdy9NDjgj4l8fsQP3WiAAGA6z",
+                                  CONTROLLED_B_IMAGES)
     published = published({"accuracy": 30.88}, "vl_compo")
     annotation_file = "controlled_clevr_dataset.json"
     image_folder = "controlled_clevr"

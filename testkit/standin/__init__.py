@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
-from testkit.standin import aro, retrieval, sts, sugarcrepe, two_by_two, valse, vlchecklist, whatsup, zeroshot
+from testkit.standin import (aro, coco_counterfactuals, cola, colorswap, crepe, elevater, eqben, imagecode, mmvp,
+                             retrieval, spec, sts, sugarcrepe, sugarcrepe_pp, svo_probes, two_by_two, valse, vismin,
+                             vlchecklist, whatsup, zeroshot)
 
 STANDINS: Dict[str, Callable[..., dict]] = {
     "sugarcrepe": sugarcrepe.write_sugarcrepe,
+    "sugarcrepe_pp": sugarcrepe_pp.write_sugarcrepe_pp,
     "aro_vg_relation": aro.write_aro_vg_relation,
     "aro_vg_attribution": aro.write_aro_vg_attribution,
     "aro_coco_order": aro.write_aro_coco_order,
@@ -30,9 +33,22 @@ STANDINS: Dict[str, Callable[..., dict]] = {
     "bivlc": two_by_two.write_bivlc,
     "biscor_ctrl": two_by_two.write_biscor_ctrl,
     "shapes_swap": two_by_two.write_shapes_swap,
+    "vismin": vismin.write_vismin,
+    "mmvp_vlm": mmvp.write_mmvp_vlm,
+    "colorswap": colorswap.write_colorswap,
+    "eqben": eqben.write_eqben,
+    "crepe": crepe.write_crepe,
+    "spec": spec.write_spec,
+    "svo_probes": svo_probes.write_svo_probes,
+    "cola_multi_object": cola.write_cola_multi_object,
+    "cola_single_object": cola.write_cola_single_object,
+    "imagecode": imagecode.write_imagecode,
     "coco_retrieval": retrieval.write_coco_retrieval,
     "flickr30k_retrieval": retrieval.write_flickr30k_retrieval,
+    "coco_counterfactuals": coco_counterfactuals.write_coco_counterfactuals,
+    "coco_counterfactuals_test": coco_counterfactuals.write_coco_counterfactuals_test,
     "zeroshot": zeroshot.write_zeroshot,
+    "elevater": elevater.write_elevater,
     "shapes_zeroshot": zeroshot.write_shapes_zeroshot,
     "sickr": sts.write_sickr,
     "stsb": sts.write_stsb,
