@@ -105,7 +105,8 @@ def test_missing_and_malformed_multi_object_files_are_named(tmp_path):
     original = (FIXTURE / MULTI_OBJECT_FILE).read_bytes()
     for broken in (original[: len(original) // 2], original.replace(b"giraffe", "girafe\u00e9".encode("latin-1"), 1)):
         path.write_bytes(broken)
-        with pytest.raises(ValueError, match=r"COLA_multiobjects_matching_benchmark\.json: not a (UTF-8 text|whole JSON) file"):
+        with pytest.raises(ValueError,
+                           match=r"COLA_multiobjects_matching_benchmark\.json: not a (UTF-8 text|whole JSON) file"):
             ColaMultiObject(tmp_path).items()
 
 
