@@ -141,8 +141,21 @@ def model_config(name: str, pretrained: Optional[str] = None, config_dir: Option
     return open_clip.get_model_config(name)
 
 
+ZOO_PREFIX, HF_PREFIX = "zoo:", "hf:"
+
+
 def build_model(name: str, pretrained: Optional[str] = None, config_dir: Optional[str] = None) -> BuiltModel:
-    """Build any open_clip model with random weights, a pretrained tag, or a local checkpoint or export."""
+    """Build any open_clip model with random weights, a pretrained tag, or a local checkpoint or export; or a
+    published checkpoint: `name="zoo:NAME"` with `pretrained=FILE`, `pretrained="zoo:NAME:FILE"` (the model name
+    must then be the zoo entry's), or `pretrained="hf:DIR"`, a Hugging Face `CLIPModel` folder."""
+    if name.startswith(ZOO_PREFIX) or (pretrained or "").startswith(ZOO_PREFIX):
+        from core.published import build_from_zoo  # it builds on this module
+
+        return build_from_zoo(name, pretrained, config_dir)
+    if (pretrained or "").startswith(HF_PREFIX):
+        from core.published import build_from_hf
+
+        return build_from_hf(pretrained[len(HF_PREFIX):], name, config_dir)
     register_model_configs(config_dir)
     register_model_configs(_export_config_dir(pretrained))
     if name not in open_clip.list_models():

@@ -58,6 +58,7 @@ import yaml
 
 from core.cli import (add_data_root, add_key_values, add_output, add_precision, key_value_sections,
                       refuse_renamed)
+from core.encoders import ZOO_PREFIX
 from evaluation.aligner import AlignerScorer, is_aligner_export
 from evaluation.benchmarks import BENCHMARKS, COMBINED, MissingBenchmarkData, build_benchmark
 from evaluation.benchmarks.base import Benchmark
@@ -67,7 +68,7 @@ from evaluation.harness import (AGGREGATES_FILE, BenchmarkResult, available_benc
                                 log_to_tensorboard, markdown_tables, mixed_weights_message, reaggregate,
                                 rewrite_tables, run_benchmark, run_each, write_results)
 from evaluation.interpolation import (InterpolationError, alpha_folder, interpolated_model, load_endpoints,
-                                      parse_alphas, wise_ft_record)
+                                      parse_alphas, wise_ft_record, zoo_endpoints)
 from evaluation.provenance import Provenance, ProvenanceError, export_provenance, pretrained_provenance, run_export_dir
 from evaluation.scorers import PRECISIONS, ClipScorer, Scorer
 from evaluation.sgi import SGIScorer
@@ -237,7 +238,8 @@ def output_dir(args: argparse.Namespace) -> Path:
         return args.out
     if args.run:
         return args.run / f"eval{scorer_suffix(args)}"
-    label = f"{args.model}-{Path(str(args.pretrained)).stem if args.pretrained else 'random'}"
+    weights = Path(str(args.pretrained).split(":", 1)[-1]).stem if args.pretrained else "random"
+    label = f"{args.model.replace(':', '-')}-{weights}"
     return Path("eval") / f"{label}{scorer_suffix(args)}"
 
 
@@ -250,7 +252,10 @@ def weights_provenance(args: argparse.Namespace) -> Provenance:
         return provenance
     if not args.model:
         raise SystemExit("give --run RUN_DIR or --model NAME --pretrained TAG_OR_PATH")
-    return pretrained_provenance(args.pretrained)
+    provenance = pretrained_provenance(args.pretrained)
+    if args.model.startswith(ZOO_PREFIX):  # a published checkpoint: which one, beside its file's hash
+        provenance.record = {"zoo": args.model[len(ZOO_PREFIX):], **provenance.record}
+    return provenance
 
 
 def tensorboard_dir(args: argparse.Namespace, out: Path) -> Path:
@@ -347,10 +352,16 @@ def single_evaluation(args: argparse.Namespace) -> Evaluation:
 
 
 def interpolations(args: argparse.Namespace) -> List[Evaluation]:
-    """One evaluation per alpha of the run's weight interpolation, each scorer built when its turn comes."""
-    if not args.run:
-        raise SystemExit("--alphas interpolates a run's export with the backbone it started from: give --run RUN_DIR")
-    endpoints = load_endpoints(run_export_dir(args.run), args.pretrained)
+    """One evaluation per alpha of the weight interpolation of a run (with the backbone it started from) or of a
+    published checkpoint (`--model zoo:NAME --pretrained FILE`, with the model it was fine-tuned from), each scorer
+    built when its turn comes."""
+    if args.run:
+        endpoints = load_endpoints(run_export_dir(args.run), args.pretrained)
+    elif (args.model or "").startswith(ZOO_PREFIX):
+        endpoints = zoo_endpoints(args.model[len(ZOO_PREFIX):], args.pretrained)
+    else:
+        raise SystemExit("--alphas interpolates a fine-tuned model with the one it started from: give --run RUN_DIR "
+                         "or --model zoo:NAME --pretrained FILE")
     scorer_class = SCORERS[args.scorer]
     kwargs = dict(device=args.device, precision=args.precision, batch_size=args.batch_size,
                   num_workers=args.num_workers, **scorer_options(args.scorer, args.scorer_options))

@@ -32,7 +32,8 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from core.cli import add_output
-from core.encoders import BuiltModel, build_model, resolve_path
+from core.encoders import HF_PREFIX, ZOO_PREFIX, BuiltModel, build_model, resolve_path
+from core.published import load_zoo_base
 from core.export import MODEL_CONFIGS_DIR, export_model, load_export, read_export_metadata
 from evaluation.aligner import is_aligner_export
 from evaluation.provenance import ProvenanceError, export_provenance, run_export_dir
@@ -100,6 +101,9 @@ def pretrained_end(export_dir: Path, pretrained: Optional[str] = None) -> tuple[
     if not backbone.get("pretrained"):
         raise InterpolationError(f"the run of {export_dir} started from random weights (model.pretrained=null): "
                                  f"there is no pretrained model to interpolate with; give one with --pretrained")
+    if str(backbone["pretrained"]).startswith((ZOO_PREFIX, HF_PREFIX)):  # a published checkpoint, read by its format
+        built, _ = build_backbone(backbone)
+        return built, {"backbone": backbone}
     source = resolve_path(str(backbone["pretrained"]))
     looks_local = "/" in str(backbone["pretrained"]) or str(backbone["pretrained"]).endswith((".pt", ".bin"))
     if looks_local and not source.exists():
@@ -121,6 +125,19 @@ def load_endpoints(export_dir: Path, pretrained: Optional[str] = None) -> Endpoi
     check_same_architecture(start, finetuned)
     record = {"finetuned": str(export_dir), **start_record}
     return Endpoints(start, finetuned, record)
+
+
+def zoo_endpoints(name: str, weights: str, base: Optional[str] = None) -> Endpoints:
+    """Both ends of a published checkpoint (`core.zoo`): the model it was fine-tuned from (the entry's base tag, or
+    `base`: a tag, an export folder or an open_clip checkpoint file), built as the checkpoint is, and the checkpoint
+    read by its format."""
+    from core.zoo import zoo_entry
+
+    entry = zoo_entry(name)
+    finetuned = build_model(f"zoo:{entry.name}", weights)
+    start = load_zoo_base(entry, base)
+    check_same_architecture(start, finetuned)
+    return Endpoints(start, finetuned, {"finetuned": f"zoo:{entry.name}:{weights}", "pretrained": base or entry.base})
 
 
 def check_same_architecture(first: BuiltModel, second: BuiltModel) -> None:

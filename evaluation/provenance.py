@@ -97,8 +97,14 @@ def export_provenance(export_dir: Path) -> Provenance:
     return Provenance(record, stamps)
 
 
+HF_WEIGHTS_SUFFIXES = (".safetensors", ".bin")
+
+
 def pretrained_provenance(pretrained: Optional[str]) -> Provenance:
-    """A tag (or random init) is recorded as given; a local file or export folder gets its hash (and step)."""
+    """A tag (or random init) is recorded as given; a local file or export folder gets its hash (and step); a
+    Hugging Face folder (`hf:DIR`) the hash of its weights files together."""
+    if pretrained and pretrained.startswith("hf:"):
+        return hf_folder_provenance(Path(pretrained[3:]))
     path = Path(pretrained) if pretrained else None
     if path is not None and path.is_dir():
         return export_provenance(path)
@@ -107,6 +113,16 @@ def pretrained_provenance(pretrained: Optional[str]) -> Provenance:
             return export_provenance(path.parent)
         return Provenance({"weights_file": str(path), "weights_sha256": file_sha256(path)}, {path: _stamp(path)})
     return Provenance({"pretrained": pretrained})
+
+
+def hf_folder_provenance(folder: Path) -> Provenance:
+    """A `CLIPModel` folder: the sha256 over its weights files' own digests, in name order (one or several shards)."""
+    files = sorted(path for path in folder.glob("*") if path.suffix in HF_WEIGHTS_SUFFIXES) if folder.is_dir() else []
+    if not files:
+        raise ProvenanceError(f"hf:{folder}: no Hugging Face weights (*.safetensors or *.bin) in that folder")
+    digest = hashlib.sha256("".join(f"{path.name}:{file_sha256(path)}\n" for path in files).encode())
+    return Provenance({"weights_folder": str(folder), "weights_sha256": digest.hexdigest()},
+                      {path: _stamp(path) for path in files})
 
 
 def _names_weights(metadata_path: Path, name: str) -> bool:

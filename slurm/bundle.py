@@ -49,6 +49,7 @@ BACKBONES_DIR = "backbones"
 CARRIED_SOURCE = "source.json"  # where a carried backbone came from: {"path", "weights", "sha256", "folder"}
 CARRIED_SUFFIX = ".gz"
 EXPORT_METADATA = "model.json"  # core.export's names, read here without importing torch
+EXPORT_HF_FOLDER = "hf"  # the export's Hugging Face copy of the weights (core.export.HF_DIR)
 DEFAULT_WEIGHTS = "open_clip.pt"
 
 
@@ -205,8 +206,9 @@ def carry_backbone(bundle: Path, sweep_name: str, backbone: Optional[Mapping[str
     is_folder = Path(backbone["path"]).is_dir()
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    if is_folder:
-        shutil.copytree(weights.parent, partial, ignore=lambda _, names: [n for n in names if n == weights.name])
+    if is_folder:  # the small files; not the weights (gzipped below) nor the export's Hugging Face copy of them
+        shutil.copytree(weights.parent, partial, ignore=lambda folder, names: [
+            n for n in names if n == weights.name or (Path(folder) == weights.parent and n == EXPORT_HF_FOLDER)])
     else:
         partial.mkdir(parents=True)
     with open(weights, "rb") as source, open(partial / (weights.name + CARRIED_SUFFIX), "wb") as raw:

@@ -1,6 +1,10 @@
 """`python -m study.tradeoff --data-root WORLD --alphas 0,0.25,0.5,0.75,1 --out DIR runs.LABEL=RUN_DIR ...`:
 what a method's gain in composition costs in recognition, along its weight interpolation (docs/tradeoff.md).
 
+A curve is a training run (`runs.LABEL=RUN_DIR`) or a published checkpoint (`runs.negclip=zoo:negclip:FILE`, read
+by its format from `core/zoo.py`, its pretrained end the model it was fine-tuned from), so a method can be put
+beside NegCLIP and DAC on one plot; `bases.LABEL=TAG_OR_PATH` gives a curve another pretrained end.
+
 Each run is scored at theta(alpha) = (1 - alpha) theta_pretrained + alpha theta_finetuned for every alpha (WiSE-FT
 with the backbone it started from, in memory: evaluation/interpolation.py), on the world's `--split`:
 
@@ -25,9 +29,11 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from core.cli import add_data_root, add_key_values, add_output, add_precision, key_value_sections
+from core.encoders import ZOO_PREFIX
+from core.published import zoo_spec
 from core.files import atomic_write_bytes, atomic_write_text
 from datamodules.shapes.zeroshot import DATASET, zeroshot_root
 from evaluation.benchmarks import MissingBenchmarkData
@@ -37,11 +43,11 @@ from evaluation.benchmarks.two_by_two import ShapesSwap
 from evaluation.benchmarks.zeroshot import ZeroShotClassification
 from evaluation.harness import BenchmarkResult, check_all_images, run_benchmark, write_results
 from evaluation.interpolation import (Endpoints, InterpolationError, alpha_folder, interpolated_model, load_endpoints,
-                                      parse_alphas, wise_ft_record)
-from evaluation.provenance import ProvenanceError, export_provenance, run_export_dir
+                                      parse_alphas, wise_ft_record, zoo_endpoints)
+from evaluation.provenance import ProvenanceError, export_provenance, pretrained_provenance, run_export_dir
 from evaluation.scorers import PRECISIONS, ClipScorer
 
-RUN_SETTINGS = {"runs": "runs.LABEL=RUN_DIR"}
+RUN_SETTINGS = {"runs": "runs.LABEL=RUN_DIR|zoo:NAME:FILE", "bases": "bases.LABEL=TAG_OR_PATH"}
 DEFAULT_ALPHAS = "0,0.25,0.5,0.75,1"
 COMPOSITION_METRICS = ("group", "text", "image", "acc_attribute", "acc_relation", "acc_object")
 # The recognition measures: (benchmark, how a score is read from its aggregates, axis title).
@@ -55,7 +61,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_data_root(parser, required=True, help="the shapes world (with zeroshot_<split>/)")
-    add_key_values(parser, dest="rows", help="runs.LABEL=RUN_DIR: one curve each, in the order given")
+    add_key_values(parser, dest="rows", help="runs.LABEL=RUN_DIR (a training run) or runs.LABEL=zoo:NAME:FILE (a "
+                   "published checkpoint, core/zoo.py): one curve each, in the order given; bases.LABEL=TAG_OR_PATH: "
+                   "that curve's pretrained end instead of the one it started from")
     parser.add_argument("--alphas", type=parse_alphas, default=parse_alphas(DEFAULT_ALPHAS),
                         help=f"weights of the fine-tuned end, in [0, 1] (default {DEFAULT_ALPHAS})")
     parser.add_argument("--split", default="test", help="the world's split scored (default test)")
@@ -66,8 +74,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     add_precision(parser, list(PRECISIONS), default="32-true")
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_intermixed_args(argv)
-    args.runs = {label: Path(run_dir) for label, run_dir in key_value_sections(parser, args.rows, RUN_SETTINGS)
-                 ["runs"].items()}
+    settings = key_value_sections(parser, args.rows, RUN_SETTINGS)
+    args.runs, args.bases = dict(settings["runs"]), dict(settings["bases"])
+    unknown = sorted(set(args.bases) - set(args.runs))
+    if unknown:
+        parser.error(f"bases.{unknown[0]}: no runs.{unknown[0]} to give a base to")
     if not args.runs:
         parser.error(f"give the runs to trace: {RUN_SETTINGS['runs']} ...")
     if 0.0 not in args.alphas:
@@ -89,14 +100,28 @@ def world_benchmarks(world: Path, split: str) -> Dict[str, Benchmark]:
                                             images=world / "images" / split)}
 
 
-def check_runs(runs: Dict[str, Path]) -> None:
-    """Every run has an export and both ends of its interpolation load and match (each loaded once, let go)."""
+def row_endpoints(source: str, base: Optional[str] = None) -> Tuple[Endpoints, Dict[str, object]]:
+    """Both ends of one curve and what identifies its fine-tuned end: a training run's export with the backbone it
+    started from, or a published checkpoint (`zoo:NAME:FILE`) with the model it was fine-tuned from; `base` (a tag
+    or a path) replaces that pretrained end."""
+    if source.startswith(ZOO_PREFIX):
+        name, weights = zoo_spec("", source)
+        provenance = pretrained_provenance(weights).record
+        return zoo_endpoints(name, weights, base), {"zoo": name, **provenance}
+    export_dir = run_export_dir(Path(source))
+    provenance = export_provenance(export_dir).record
+    return load_endpoints(export_dir, base), {"run": source, **provenance}
+
+
+def check_runs(runs: Dict[str, str], bases: Dict[str, str]) -> None:
+    """Every curve's ends load and match (each loaded once, let go): a run has an export, a zoo file is there and
+    reads by its format."""
     problems = []
-    for label, run_dir in runs.items():
+    for label, source in runs.items():
         try:
-            load_endpoints(run_export_dir(run_dir))
-        except (ProvenanceError, InterpolationError, FileNotFoundError) as err:
-            problems.append(f"runs.{label}={run_dir}: {err}")
+            row_endpoints(source, bases.get(label))
+        except (ProvenanceError, InterpolationError, FileNotFoundError, ValueError, KeyError) as err:
+            problems.append(f"runs.{label}={source}: {err}")
     if problems:
         raise SystemExit("the trade-off cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -109,7 +134,7 @@ def check_inputs(args: argparse.Namespace) -> Dict[str, Benchmark]:
         check_all_images(benchmarks)
     except MissingBenchmarkData as err:
         raise SystemExit(str(err)) from None
-    check_runs(args.runs)
+    check_runs(args.runs, args.bases)
     return benchmarks
 
 
@@ -145,16 +170,13 @@ def point(label: str, alpha: float, results: Dict[str, BenchmarkResult], composi
     return Point(label, alpha, results["shapes_swap"].aggregates[composition_metric], **recognition)
 
 
-def trace_run(label: str, run_dir: Path, benchmarks: Dict[str, Benchmark], args: argparse.Namespace) -> List[Point]:
-    """The run's points at every alpha, each as a change from its alpha 0."""
-    export_dir = run_export_dir(run_dir)
-    provenance = export_provenance(export_dir).record
-    endpoints = load_endpoints(export_dir)
+def trace_run(label: str, source: str, benchmarks: Dict[str, Benchmark], args: argparse.Namespace) -> List[Point]:
+    """The curve's points at every alpha, each as a change from its alpha 0."""
+    endpoints, provenance = row_endpoints(source, args.bases.get(label))
     points = []
     for alpha in args.alphas:
         start = time.perf_counter()
-        results = score_alpha(endpoints, alpha, benchmarks, args.out / label / alpha_folder(alpha), args,
-                              {"run": str(run_dir), **provenance})
+        results = score_alpha(endpoints, alpha, benchmarks, args.out / label / alpha_folder(alpha), args, provenance)
         points.append(point(label, alpha, results, args.composition_metric))
         print(f"{label} alpha {alpha:g}: {format_point(points[-1])} ({time.perf_counter() - start:.0f} s)",
               flush=True)
@@ -227,7 +249,7 @@ def write_outputs(out: Path, points: Sequence[Point], args: argparse.Namespace) 
     atomic_write_text(out / "tradeoff.md", markdown_table(points, args.composition_metric, args.split))
     atomic_write_text(out / "tradeoff.csv", csv_text(points))
     document = {"split": args.split, "composition_metric": args.composition_metric,
-                "runs": {label: str(path) for label, path in args.runs.items()}, "alphas": args.alphas,
+                "runs": dict(args.runs), "bases": dict(args.bases), "alphas": args.alphas,
                 "points": [asdict(p) for p in points]}
     atomic_write_text(out / "tradeoff.json", json.dumps(document, indent=2))
     atomic_write_bytes(out / "tradeoff.png", plot(points, args.composition_metric, args.split))
@@ -237,8 +259,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Point]:
     args = parse_args(argv)
     benchmarks = check_inputs(args)
     points: List[Point] = []
-    for label, run_dir in args.runs.items():
-        points += trace_run(label, run_dir, benchmarks, args)
+    for label, source in args.runs.items():
+        points += trace_run(label, source, benchmarks, args)
     write_outputs(args.out, points, args)
     print()
     print(markdown_table(points, args.composition_metric, args.split))

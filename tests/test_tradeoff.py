@@ -113,3 +113,23 @@ def test_the_tradeoff_refuses_bad_inputs_before_scoring(world, runs, tmp_path):
         tradeoff.main(["--data-root", str(world), "--alphas", "0.5,1", "--out", str(tmp_path / "c"),
                        f"runs.full={runs['full']}"])
     assert not any((tmp_path / name).exists() for name in ("a", "b", "c"))
+
+
+def test_a_published_checkpoint_is_a_curve_beside_the_runs(world, runs, tmp_path, monkeypatch):
+    """`runs.LABEL=zoo:NAME:FILE`: the checkpoint read by its zoo format, its pretrained end the zoo base (here the
+    run's own files stand in for a published one: the two curves must then be one)."""
+    from core.zoo import ZOO, ZooEntry
+
+    name = json.loads((runs["full"] / "export" / "model.json").read_text())["model"]
+    monkeypatch.setitem(ZOO, "tiny", ZooEntry("tiny", "Tiny", "p", "c", "w", "open_clip", name,
+                                              base=str(runs["backbone"] / "export")))
+    out = tmp_path / "tradeoff"
+    points = tradeoff.main(["--data-root", str(world), "--alphas", "0,1", "--out", str(out), "--split", "test",
+                            f"runs.full={runs['full']}",
+                            f"runs.zoo=zoo:tiny:{runs['full'] / 'export' / 'open_clip.pt'}"])
+    by_run = {(p.run, p.alpha): (p.composition, p.zeroshot_top1, p.retrieval_r1) for p in points}
+    assert by_run[("zoo", 0.0)] == by_run[("full", 0.0)] and by_run[("zoo", 1.0)] == by_run[("full", 1.0)]
+    metadata = json.loads((out / "zoo" / "alpha-1" / "aggregates.json").read_text())["metadata"]
+    assert metadata["zoo"] == "tiny" and metadata["wise_ft"]["pretrained"] == str(runs["backbone"] / "export")
+    with pytest.raises(SystemExit, match="runs.zoo=zoo:nothing:x: .*unknown zoo checkpoint 'nothing'"):
+        tradeoff.main(["--data-root", str(world), "--out", str(tmp_path / "d"), "runs.zoo=zoo:nothing:x"])
