@@ -162,8 +162,14 @@ def build_model(name: str, pretrained: Optional[str] = None, config_dir: Optiona
         raise ValueError(f"unknown open_clip model {name!r}; see open_clip.list_models() or add a JSON "
                          f"config to model.config_dir")
     name = canonical_model_name(name, pretrained)
+    argument = _pretrained_argument(pretrained)
+    local = argument is not None and Path(argument).is_file()
     model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-        name, pretrained=_pretrained_argument(pretrained))
+        name, pretrained=None if local else argument)
+    if local:  # read strictly: open_clip's own loader would resize a text context that does not fit, silently
+        from core import checkpoints
+
+        checkpoints.load_strict(model, checkpoints.read_checkpoint(argument, "wrappers", model))
     return BuiltModel(model, name, preprocess_train, preprocess_val, open_clip.get_tokenizer(name),
                       open_clip.get_model_config(name))
 

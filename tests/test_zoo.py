@@ -258,3 +258,16 @@ def test_a_64_token_context_survives_export_and_its_hf_copy(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf.get_text_features(input_ids=tokens), fine.encode_text(tokens),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_plain_checkpoint_file_is_read_strictly_never_resized(tmp_path):
+    """open_clip's own loader would stretch a 64-position text embedding to 77 without a word (the CLoVe trap);
+    a checkpoint file given as pretrained is read strictly instead, wrappers understood."""
+    fine = random_model(16, force_context_length=64)
+    path = tmp_path / "clove.pt"
+    torch.save({"state_dict": fine.state_dict()}, path)
+    with pytest.raises(checkpoints.CheckpointMismatch, match="force_context_length=64"):
+        build_model(TINY, str(path))
+    plain = random_model(17)
+    torch.save({"state_dict": {f"module.{k}": v for k, v in plain.state_dict().items()}}, path)
+    assert_same_features(build_model(TINY, str(path)).model, plain)
