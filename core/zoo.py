@@ -3,7 +3,7 @@
 A paper on compositionality compares against the published fine-tuned CLIPs, and most of them are not plain open_clip
 files: OpenAI `clip` state dicts, training checkpoints under a `state_dict` key or a DDP `module.` prefix, full
 state dicts carrying LoRA tensors (DAC, TSVLC, FSC-CLIP's LoRA variants), a 64-token text context (CLoVe). `ZOO`
-records, per checkpoint, what it takes to load it exactly (`core/checkpoints.py` reads each format strictly), and
+records, per checkpoint, what it takes to load it exactly (`modeling/checkpoints.py` reads each format strictly), and
 the numbers reported for it, with their source. `python -m evaluation --model zoo:NAME --pretrained FILE` scores one,
 `model.pretrained=zoo:NAME:FILE` starts a training run from it; docs/zoo.md is generated from this table
 (`python -m core.zoo --out docs/zoo.md`).
@@ -57,7 +57,7 @@ class ZooEntry:
         paper: authors, title, venue.
         code: the official repository.
         weights: where to download the file(s), as the authors publish them.
-        format: how the file is read (a key of `core.checkpoints.FORMATS`); None for a checkpoint that is not
+        format: how the file is read (a key of `modeling.checkpoints.FORMATS`); None for a checkpoint that is not
             released as CLIP weights (the entry then only documents it).
         architecture: the open_clip model it loads into, strictly.
         context_length: the text context it was trained with (CLoVe: 64).

@@ -364,7 +364,7 @@ def shard_image_count(paths: Sequence[str], index: int, size: int) -> int:
 
 def build_frozen_backbone(cfg) -> Tuple[FrozenBackbone, Dict[str, Any]]:
     """The configured CLIP, built exactly as the training module builds it (same seed for a random init)."""
-    from core.encoders import CLIPEncoders, build_model  # the model code; the DataModule needs none
+    from modeling.encoders import CLIPEncoders, build_model  # the model code; the DataModule needs none
 
     L.seed_everything(cfg.seed, workers=True)  # fit seeds the same way before building the module
     built = build_model(cfg.model.name, cfg.model.pretrained, cfg.model.config_dir)

@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from core.cli import check_precision
-from core.encoders import CLIPEncoders, build_model
-from core.export import WEIGHTS_FILE, load_export
+from modeling.encoders import CLIPEncoders, build_model
+from modeling.export import WEIGHTS_FILE, load_export
 from core.files import atomic_write_bytes, atomic_write_text
 from datamodules.features import backbone_fingerprint, frozen_image_features, frozen_text_features, length_mask
 from evaluation.benchmarks.base import ImageRef, Scorer, unique

@@ -58,7 +58,7 @@ import yaml
 
 from core.cli import (add_data_root, add_key_values, add_output, add_precision, key_value_sections,
                       refuse_renamed)
-from core.encoders import ZOO_PREFIX
+from modeling.encoders import ZOO_PREFIX
 from evaluation.aligner import AlignerScorer, is_aligner_export
 from evaluation.benchmarks import BENCHMARKS, COMBINED, MissingBenchmarkData, build_benchmark
 from evaluation.benchmarks.base import Benchmark

@@ -38,7 +38,7 @@ from torchvision import transforms
 from torchvision.transforms import InterpolationMode
 
 from core.cli import add_output, output_paths
-from core.encoders import BuiltModel, CLIPEncoders, build_model
+from modeling.encoders import BuiltModel, CLIPEncoders, build_model
 from core.files import atomic_write_bytes, atomic_write_text
 from evaluation.figures import TextPanel, explanation_figure, png_bytes
 from modeling.attribution import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
@@ -113,7 +113,7 @@ def load_model(args: argparse.Namespace) -> BuiltModel:
     """The run's export, or an open_clip model (build_model switches OpenAI weights to QuickGELU)."""
     try:
         if args.run is not None:
-            from core.export import load_export
+            from modeling.export import load_export
 
             return load_export(args.run / "export")
         return build_model(args.model, args.pretrained, args.config_dir)

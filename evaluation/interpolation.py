@@ -32,9 +32,9 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from core.cli import add_output
-from core.encoders import HF_PREFIX, ZOO_PREFIX, BuiltModel, build_model, resolve_path
-from core.published import load_zoo_base
-from core.export import MODEL_CONFIGS_DIR, export_model, load_export, read_export_metadata
+from modeling.encoders import HF_PREFIX, ZOO_PREFIX, BuiltModel, build_model, resolve_path
+from modeling.published import load_zoo_base
+from modeling.export import MODEL_CONFIGS_DIR, export_model, load_export, read_export_metadata
 from evaluation.aligner import is_aligner_export
 from evaluation.provenance import ProvenanceError, export_provenance, run_export_dir
 from modeling.backbone import build_backbone
@@ -213,7 +213,7 @@ def wise_ft_record(endpoints: Endpoints, alpha: float) -> Dict[str, object]:
 
 def export_interpolated(endpoints: Endpoints, alpha: float, export_dir: Path,
                         extra: Optional[Mapping[str, object]] = None) -> Path:
-    """Write theta(alpha) as a fit-style export (loads with `core.export.load_export` or plain open_clip)."""
+    """Write theta(alpha) as a fit-style export (loads with `modeling.export.load_export` or plain open_clip)."""
     built = interpolated_model(endpoints, alpha)
     return export_model(built.model, built.name, export_dir, {**(extra or {}), **wise_ft_record(endpoints, alpha)},
                         built.config)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from core.export import METADATA_FILE, WEIGHTS_FILE
+from modeling.export import METADATA_FILE, WEIGHTS_FILE
 from evaluation.aligner import ALIGNER_METADATA
 
 HASH_CHUNK = 1 << 20

@@ -246,7 +246,7 @@ class ClipScorer(EmbeddingScorer):
                         **kwargs) -> "ClipScorer":
         """open_clip `name` with weights `pretrained` (a tag or a file; None = random init); OpenAI-derived
         weights get QuickGELU. `config_dir` registers extra model configs (the repo's tiny test models)."""
-        from core.encoders import build_model
+        from modeling.encoders import build_model
 
         built = build_model(name, pretrained, config_dir)
         return cls(built.model, built.tokenizer, built.preprocess_val,
@@ -255,13 +255,13 @@ class ClipScorer(EmbeddingScorer):
     @classmethod
     def from_export(cls, export_dir: Path, **kwargs) -> "ClipScorer":
         """A model exported by `fit` (`runs/<experiment>/export`)."""
-        from core.export import load_export
+        from modeling.export import load_export
 
         return cls.from_built(load_export(export_dir), {"pretrained": str(export_dir)}, **kwargs)
 
     @classmethod
     def from_built(cls, built, metadata: Optional[Dict[str, object]] = None, **kwargs) -> "ClipScorer":
-        """A model already built (`core.encoders.BuiltModel`), e.g. a weight interpolation held in memory."""
+        """A model already built (`modeling.encoders.BuiltModel`), e.g. a weight interpolation held in memory."""
         return cls(built.model, built.tokenizer, built.preprocess_val,
                    metadata={"model": built.name, **(metadata or {})}, **kwargs)
 
@@ -320,7 +320,7 @@ class ClipScorer(EmbeddingScorer):
 def _trimmable_text_tower(model: nn.Module):
     """`CLIPEncoders` of `model` when its text tower may be cut after the EOS (an open_clip CLIP with a causal
     mask and argmax pooling: the EOS is the largest token id), else None."""
-    from core.encoders import CLIPEncoders
+    from modeling.encoders import CLIPEncoders
 
     causal = getattr(model, "attn_mask", None) is not None and getattr(model, "text_pool_type", None) == "argmax"
     if not (causal and hasattr(model, "token_embedding")):

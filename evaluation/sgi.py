@@ -336,7 +336,7 @@ class SGIScorer(Scorer):
     def from_built(cls, built, metadata: Optional[Dict[str, object]] = None,
                    grids: Union[str, Sequence] = DEFAULT_GRIDS, global_weight: float = DEFAULT_GLOBAL_WEIGHT,
                    resize: str = DEFAULT_RESIZE, **clip_kwargs) -> "SGIScorer":
-        """SGI on a CLIP already built (`core.encoders.BuiltModel`), e.g. a weight interpolation in memory."""
+        """SGI on a CLIP already built (`modeling.encoders.BuiltModel`), e.g. a weight interpolation in memory."""
         return cls(ClipScorer.from_built(built, metadata, **clip_kwargs), grids, global_weight, resize)
 
     def global_cosine_twin(self) -> ClipScorer:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from core.encoders import BuiltModel, CLIPEncoders
+from modeling.encoders import BuiltModel, CLIPEncoders
 from modeling.backbone import build_backbone
 from modeling.long_context import restore_kept_positions, zero_kept_gradients
 from modeling.lora import add_lora, adapter_parameter_count, merged

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 import torch
 from torch import nn
 
-from core.export import export_model
+from modeling.export import export_model
 from evaluation.harness import flat_scalars, run_all
 from evaluation.scorers import ClipScorer
 from lightning_modules.resume import PREVIOUS_CHECKPOINT

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.cli import AUTO, PRECISIONS, add_key_values, precision_problem
 from core.config import ConfigError, save_config, uses_gpu
-from core.encoders import model_config
+from modeling.encoders import model_config
 from datamodules.coco import CocoDataModule
 from datamodules.inputs import InputError, data_input_problems, raise_if_any
 from evaluation.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData

@@ -50,7 +50,7 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from core.encoders import CLIPEncoders, TextFeatures
+from modeling.encoders import CLIPEncoders, TextFeatures
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from evaluation.explain import token_pieces
 from evaluation.figures import TextPanel, explanation_figure, figure_pixels

@@ -41,7 +41,7 @@ from torch import Tensor
 # The options are the config schema's `method.attribution` (CLIP-CAE) and `monitor.attribution` sections (fields
 # and defaults documented there).
 from core.config import AttributionConfig as AttributionOptions
-from core.encoders import AttentionTrace, CLIPEncoders, TextFeatures, run_block
+from modeling.encoders import AttentionTrace, CLIPEncoders, TextFeatures, run_block
 
 HEADS = ("multi", "single")
 TEXT_LAMBDA_RANGES = ("all_positions", "up_to_eos")

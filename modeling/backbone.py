@@ -6,7 +6,7 @@ from typing import Mapping, Optional, Tuple
 
 from torch import Tensor
 
-from core.encoders import BuiltModel, build_model
+from modeling.encoders import BuiltModel, build_model
 from modeling.long_context import STRETCH_DTYPES, stretch_text_context
 
 

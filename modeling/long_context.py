@@ -29,7 +29,7 @@ import open_clip
 import torch
 from torch import Tensor, nn
 
-from core.encoders import QUICKGELU_SUFFIX, BuiltModel
+from modeling.encoders import QUICKGELU_SUFFIX, BuiltModel
 
 STRETCH_DTYPES: Dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
 

@@ -4,11 +4,11 @@ Each targeted linear layer W of a tower block becomes peft's `lora.Linear`: W x 
 with A [rank, in] (Kaiming-uniform) and B [out, rank] (zeros), so training starts from the backbone exactly. The
 targets are the block's linear layers (`TARGETS`): the attention's output projection and the two MLP layers. The
 attention's query / key / value projection is not one: `nn.MultiheadAttention` holds it as a bare packed
-parameter that the explicit attention paths (`core.encoders`) read directly, and peft's wrappers for it act only
+parameter that the explicit attention paths (`modeling.encoders`) read directly, and peft's wrappers for it act only
 inside `nn.MultiheadAttention.forward`, which those paths do not call; it stays frozen.
 
 `nn.MultiheadAttention.forward` reads `out_proj.weight` directly too, skipping a wrapped `out_proj`'s own forward:
-`core.encoders` therefore runs a block whose `out_proj` carries an adapter through its explicit attention, and
+`modeling.encoders` therefore runs a block whose `out_proj` carries an adapter through its explicit attention, and
 whatever runs the open_clip model's own `encode_image` / `encode_text` (the evaluation scorers) gets `merged(model)`,
 a plain copy with the adapters folded into the weights, as the export writes it.
 """

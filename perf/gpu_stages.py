@@ -9,7 +9,7 @@ environment  the bundle's wheels installed (`perf.gpu_bundle.install_wheels`), t
              there (it need not be), the commit, the bundle's manifest.
 fit          the real `python -m lightning_modules.fit` of every method (`FIT_RUNS`: the demo configs) on the
              bundle's shapes world, on the device in the check's precision, several at once; then one run resumed
-             to more steps, its export loaded in plain open_clip against `core.export.load_export`, and
+             to more steps, its export loaded in plain open_clip against `modeling.export.load_export`, and
              `python -m evaluation.evaluate` of it on the world's swap set.
 numerics     one training step of every method from the same weights and the same host batch, on the CPU in
              float32 and on the device in float32 (TF32 off) and bf16-mixed: the loss terms and the gradients
@@ -289,7 +289,7 @@ def compare_exports(export_dir: Path, device: str) -> dict:
     import open_clip
     import torch
 
-    from core.export import load_export
+    from modeling.export import load_export
 
     meta = json.loads((export_dir / "model.json").read_text())
     open_clip.add_model_config(export_dir / "model_configs")

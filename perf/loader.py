@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 from core.cli import add_key_values, add_output
 from lightning_modules import load_run_config
-from core.encoders import CLIPEncoders, build_model
+from modeling.encoders import CLIPEncoders, build_model
 from datamodules.coco import CocoDataModule
 from datamodules.preprocess import run as run_preprocess
 from datamodules.shapes import generate

@@ -48,8 +48,8 @@ RECORD_SUFFIX = ".json.gz"
 BACKBONES_DIR = "backbones"
 CARRIED_SOURCE = "source.json"  # where a carried backbone came from: {"path", "weights", "sha256", "folder"}
 CARRIED_SUFFIX = ".gz"
-EXPORT_METADATA = "model.json"  # core.export's names, read here without importing torch
-EXPORT_HF_FOLDER = "hf"  # the export's Hugging Face copy of the weights (core.export.HF_DIR)
+EXPORT_METADATA = "model.json"  # modeling.export's names, read here without importing torch
+EXPORT_HF_FOLDER = "hf"  # the export's Hugging Face copy of the weights (modeling.export.HF_DIR)
 DEFAULT_WEIGHTS = "open_clip.pt"
 
 

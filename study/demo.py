@@ -15,7 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from core.cli import add_data_root, add_key_values, add_output, key_value_sections, refuse_renamed
-from core.encoders import CLIPEncoders
+from modeling.encoders import CLIPEncoders
 from evaluation.aligner import AlignerScorer, is_aligner_export
 from evaluation.benchmarks.base import ImageRef
 from evaluation.benchmarks.images import load_image

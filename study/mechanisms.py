@@ -60,8 +60,8 @@ from torch import Tensor
 from torch.utils.data import default_collate
 
 from core.config import per_device_batch_size
-from core.encoders import CLIPEncoders, canonical_model_name
-from core.export import load_export, read_export_metadata
+from modeling.encoders import CLIPEncoders, canonical_model_name
+from modeling.export import load_export, read_export_metadata
 from datamodules.shapes import OPPOSITE_RELATION, load_scene_graphs
 from evaluation.benchmarks.base import ImageRef
 from evaluation.benchmarks.images import load_image

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from core.cli import add_data_root, add_key_values, add_output, add_precision, key_value_sections
-from core.encoders import ZOO_PREFIX
-from core.published import zoo_spec
+from modeling.encoders import ZOO_PREFIX
+from modeling.published import zoo_spec
 from core.files import atomic_write_bytes, atomic_write_text
 from datamodules.shapes.zeroshot import DATASET, zeroshot_root
 from evaluation.benchmarks import MissingBenchmarkData

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from collections import Counter
 
-from core.encoders import CLIPEncoders, build_model
+from modeling.encoders import CLIPEncoders, build_model
 from datamodules.word_vocabulary import ATTRIBUTE, OBJECT, RELATION, WordVocabulary
 from modeling.attribution import (
                                                    ATTRIBUTIONS,

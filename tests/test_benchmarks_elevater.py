@@ -377,7 +377,7 @@ def test_repeated_imagenet_names_tie_and_are_never_top1(tmp_path, caplog):
 # --- a real (tiny, random) open_clip model --------------------------------------------------------------------
 
 def test_tiny_clip_outcomes_equal_a_naive_computation(tmp_path):
-    from core.encoders import build_model
+    from modeling.encoders import build_model
 
     write_elevater(tmp_path, n_items=21 * 6)
     tasks = ["cifar10", "hateful-memes", "voc2007classification"]

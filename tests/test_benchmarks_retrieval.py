@@ -184,7 +184,7 @@ def test_malformed_files_name_file_and_record(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_scorer():
-    from core.encoders import build_model
+    from modeling.encoders import build_model
 
     torch.manual_seed(0)
     built = build_model("ViT-Tiny-16-64", None, str(CONFIGS))

@@ -170,7 +170,7 @@ def test_malformed_rows_name_the_file_and_row(tmp_path):
 # --- a real (tiny, random) open_clip model ----------------------------------------------------------------
 
 def test_tiny_clip_spearman_equals_a_naive_computation(tmp_path):
-    from core.encoders import build_model
+    from modeling.encoders import build_model
 
     torch.manual_seed(0)
     built = build_model("ViT-Tiny-16-64", None, str(CONFIGS))

@@ -300,7 +300,7 @@ def test_end_to_end_bivlc_and_biscor_with_known_answers(tmp_path):
 def test_shapes_swap_with_a_tiny_clip_equals_a_direct_computation(tmp_path):
     from PIL import Image
 
-    from core.encoders import build_model
+    from modeling.encoders import build_model
 
     generate(tmp_path, n_train=4, n_val=6, image_size=64, seed=0, n_swap=9)
     torch.manual_seed(0)

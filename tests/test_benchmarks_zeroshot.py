@@ -168,7 +168,7 @@ def test_malformed_json_gives_clear_errors(tmp_path):
 # --- a real (tiny, random) open_clip model ----------------------------------------------------------------
 
 def test_tiny_clip_aggregates_equal_a_naive_computation(tmp_path):
-    from core.encoders import build_model
+    from modeling.encoders import build_model
 
     torch.manual_seed(0)
     built = build_model("ViT-Tiny-16-64", None, str(CONFIGS))

@@ -1,4 +1,4 @@
-"""core.checkpoints: each published layout written by its own library, read into a fresh open_clip model.
+"""modeling.checkpoints: each published layout written by its own library, read into a fresh open_clip model.
 
 Every test writes a random-weight checkpoint the way its source does (open_clip, torch DDP, Lightning, the OpenAI
 `clip` package, TorchScript, loralib's key layout), reads it into a new model and compares the state dict exactly,
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from core.checkpoints import (FORMATS, BaseMismatch, CheckpointMismatch, UntrustedPickle, check_fits, load_strict,
+from modeling.checkpoints import (FORMATS, BaseMismatch, CheckpointMismatch, UntrustedPickle, check_fits, load_strict,
                               read_checkpoint, truncate_context, wise_ft)
-from core.encoders import register_model_configs
+from modeling.encoders import register_model_configs
 from tolerance import assert_scaled_close, scaled_close
 
 TINY = "ViT-Tiny-16-64"  # image 64, patch 16, vision width 128 (2 heads), text width 64 (2 heads), context 77

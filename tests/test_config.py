@@ -7,7 +7,7 @@ import open_clip
 import pytest
 
 from core.config import REPO_ROOT, ConfigError, load_config
-from core.encoders import register_model_configs
+from modeling.encoders import register_model_configs
 from lightning_modules import METHODS
 
 SHIPPED = sorted(p for p in (REPO_ROOT / "configs").rglob("*.yaml") if "sweeps" not in p.parts)

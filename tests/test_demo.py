@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.encoders import build_model
-from core.export import export_model
+from modeling.encoders import build_model
+from modeling.export import export_model
 from datamodules.shapes import generate
 from study.demo import COLUMNS, evaluate_export, markdown_table
 

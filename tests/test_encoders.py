@@ -8,7 +8,7 @@ import open_clip
 import pytest
 import torch
 
-from core.encoders import CLIPEncoders, build_model, canonical_model_name
+from modeling.encoders import CLIPEncoders, build_model, canonical_model_name
 from tolerance import scaled_close
 
 CAPTIONS = ["a red square to the left of a blue circle", "a horse riding a man", "two dogs"]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.encoders import build_model
-from core.export import export_model
+from modeling.encoders import build_model
+from modeling.export import export_model
 from evaluation import evaluate, leakage
 from evaluation.benchmarks import BENCHMARKS, Benchmark, build_benchmark
 from evaluation.benchmarks.base import ImageRef, coco_id_from_name

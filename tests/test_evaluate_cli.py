@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.encoders import build_model
-from core.export import export_model
+from modeling.encoders import build_model
+from modeling.export import export_model
 from evaluation import evaluate
 from evaluation.benchmarks import BENCHMARKS
 from testkit.standin.sts import write_sickr, write_stsb

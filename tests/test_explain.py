@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision import transforms
 
-from core.encoders import CLIPEncoders, build_model
-from core.export import export_model, load_export
+from modeling.encoders import CLIPEncoders, build_model
+from modeling.export import export_model, load_export
 from testkit.standin.images import write_image
 from evaluation.figures import LAYOUT
 from evaluation.explain import (display_image, explain, main, model_input, prepare_inputs,

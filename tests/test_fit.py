@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from core.config import REPO_ROOT
 from lightning_modules import load_run_config
-from core.export import load_export
+from modeling.export import load_export
 from lightning_modules import METHODS
 from lightning_modules.base import NonFiniteLossError, total_loss
 from lightning_modules.callbacks import cpu_model

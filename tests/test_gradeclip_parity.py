@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from core.encoders import CLIPEncoders
+from modeling.encoders import CLIPEncoders
 from modeling.attribution import (AttributionOptions, TextAttributionInputs, image_grad_eclip,
                                                    image_grad_eclip_grid, min_max, text_attribution)
 from tolerance import assert_scaled_close, scaled_close

@@ -14,10 +14,10 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from safetensors.torch import load_file, save_file
 from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer, CLIPTokenizerFast
 
-from core.checkpoints import CheckpointMismatch
-from core.encoders import register_model_configs
-from core.export import export_model, load_export, read_export_metadata
-from core.hf_clip import UnsupportedModel, hf_preprocess_cfg, hf_to_open_clip, open_clip_to_hf
+from modeling.checkpoints import CheckpointMismatch
+from modeling.encoders import register_model_configs
+from modeling.export import export_model, load_export, read_export_metadata
+from modeling.hf_clip import UnsupportedModel, hf_preprocess_cfg, hf_to_open_clip, open_clip_to_hf
 from tolerance import assert_scaled_close, scaled_close
 
 # The same float32 towers run by two libraries' kernels: ~1e-6 of the largest feature apart (a wrong tensor
@@ -297,7 +297,7 @@ def test_export_of_a_model_transformers_cannot_express_has_no_folder(tmp_path, c
     export_dir = tmp_path / "export"
     export_model(build(config), TINY, export_dir)
     config["vision_cfg"]["ls_init_value"] = 0.1
-    with caplog.at_level(logging.WARNING, logger="core.export"):
+    with caplog.at_level(logging.WARNING, logger="modeling.export"):
         export_model(open_clip.CLIP(**config), TINY, export_dir, model_config=config)
     assert "hf" not in read_export_metadata(export_dir) and not (export_dir / "hf").exists()
     assert "layer scale" in caplog.text

@@ -11,7 +11,7 @@ import open_clip
 import pytest
 import torch
 
-from core.export import load_export
+from modeling.export import load_export
 from evaluation import evaluate, interpolation
 from evaluation.interpolation import (InterpolationError, check_same_architecture, interpolate_state, load_endpoints,
                                       parse_alphas)

@@ -12,7 +12,7 @@ from fitting import tiny_config
 from tolerance import scaled_close
 
 from lightning_modules import load_run_config
-from core.encoders import build_model
+from modeling.encoders import build_model
 from lightning_modules.fit import build_datamodule, run
 from modeling.long_context import stretch_factor, stretch_positional_embedding, stretched_model_name
 from lightning_modules.methods.smartclip import SmartCLIP

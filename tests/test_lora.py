@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from core.config import REPO_ROOT
-from core.encoders import CLIPEncoders, build_model
+from modeling.encoders import CLIPEncoders, build_model
 from datamodules.inputs import InputError
 from lightning_modules import load_run_config
 from lightning_modules.base import total_loss

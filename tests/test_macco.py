@@ -17,8 +17,8 @@ from fitting import tiny_config
 
 from core.config import REPO_ROOT, ConfigError
 from lightning_modules import load_run_config
-from core.encoders import TextFeatures
-from core.export import load_export
+from modeling.encoders import TextFeatures
+from modeling.export import load_export
 from lightning_modules import METHODS
 from lightning_modules.base import total_loss
 from lightning_modules.fit import run

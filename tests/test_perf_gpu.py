@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from core.encoders import build_model
+from modeling.encoders import build_model
 from evaluation.scorers import ClipScorer
 from lightning_modules.methods.tflocal import is_feature_batch
 from perf import gpu, step

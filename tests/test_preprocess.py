@@ -12,7 +12,7 @@ import torch
 
 import datamodules.preprocess as preprocess
 from core.config import load_config
-from core.encoders import register_model_configs
+from modeling.encoders import register_model_configs
 from datamodules.annotations import CaptionRecord
 from datamodules.cache import CacheError, open_cache
 from datamodules.coco import CocoDataModule

@@ -13,7 +13,7 @@ from PIL import Image
 import datamodules.preprocess as preprocess
 import evaluation.aligner as aligner
 from core.config import REPO_ROOT
-from core.encoders import build_model
+from modeling.encoders import build_model
 from datamodules import features
 from evaluation.aligner import AlignerScorer, TokenAligner
 from evaluation.benchmarks.base import ImageRef

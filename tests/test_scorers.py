@@ -98,7 +98,7 @@ def test_clip_scorer_equals_open_clip_features(tmp_path):
 
 def test_openai_weights_are_scored_with_quickgelu(monkeypatch):
     """The QuickGELU trap: an OpenAI-derived name is built as -quickgelu (weights are not downloaded here)."""
-    from core.encoders import canonical_model_name
+    from modeling.encoders import canonical_model_name
 
     assert canonical_model_name("ViT-B-32", "openai") == "ViT-B-32-quickgelu"
     import open_clip

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image, ImageDraw
 
-from core.encoders import BuiltModel, build_model
-from core.export import export_model
+from modeling.encoders import BuiltModel, build_model
+from modeling.export import export_model
 from evaluation import evaluate, sgi
 from evaluation.benchmarks import build_benchmark
 from evaluation.benchmarks.base import ImageRef, unique

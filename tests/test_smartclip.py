@@ -20,7 +20,7 @@ from fitting import a_batch, tiny_config
 import lightning_modules
 from core.config import REPO_ROOT
 from lightning_modules import load_run_config
-from core.export import load_export
+from modeling.export import load_export
 from lightning_modules.base import total_loss
 from lightning_modules.fit import run
 from lightning_modules.methods.smartclip import (MaskNetwork, SmartCLIP, caption_positions, mask_network_heads,

@@ -488,8 +488,8 @@ def tiny_world(root: Path) -> Path:
 
 
 def test_the_command_scores_real_exports_end_to_end(tmp_path, monkeypatch, capsys):
-    from core.encoders import build_model
-    from core.export import export_model
+    from modeling.encoders import build_model
+    from modeling.export import export_model
     from datamodules.shapes import load_scene_graphs
 
     data = tiny_world(tmp_path / "world")

@@ -15,7 +15,7 @@ from tolerance import assert_scaled_close
 
 import lightning_modules
 import lightning_modules.fit as fit
-from core.encoders import build_model
+from modeling.encoders import build_model
 from datamodules import features
 from datamodules.annotations import read_annotation_file
 from datamodules.cache import CacheError

@@ -10,9 +10,9 @@ import open_clip
 import pytest
 import torch
 
-from core import checkpoints
-from core.encoders import build_model, register_model_configs
-from core.published import load_zoo_base, load_zoo_model
+from modeling import checkpoints
+from modeling.encoders import build_model, register_model_configs
+from modeling.published import load_zoo_base, load_zoo_model
 from core.zoo import ENTRIES, SOURCES, ZOO, ZooEntry, markdown, zoo_entry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,7 +195,7 @@ def test_evaluate_interpolates_a_zoo_model_with_its_base(tmp_path, monkeypatch):
 
 # ----- Hugging Face CLIPModel folders -----------------------------------------------------------------------------
 def test_an_hf_folder_builds_as_the_named_model_or_under_its_shape_and_a_wrong_name_is_refused(tmp_path):
-    from core.hf_clip import open_clip_to_hf
+    from modeling.hf_clip import open_clip_to_hf
 
     original = random_model(12)
     folder = open_clip_to_hf(original, open_clip.get_model_config(TINY), tmp_path / "hf")
@@ -212,7 +212,7 @@ def test_an_hf_folder_builds_as_the_named_model_or_under_its_shape_and_a_wrong_n
 
 
 def test_evaluate_scores_an_hf_folder_and_records_its_weights_hash(tmp_path):
-    from core.hf_clip import open_clip_to_hf
+    from modeling.hf_clip import open_clip_to_hf
     from evaluation import evaluate
     from testkit.standin import STANDINS
 
@@ -241,7 +241,7 @@ def test_a_64_token_context_survives_export_and_its_hf_copy(tmp_path):
     """CLoVe's context is kept through the export (its own config and name) and the Hugging Face copy."""
     from transformers import CLIPModel
 
-    from core.export import export_model, load_export
+    from modeling.export import export_model, load_export
 
     fine = random_model(15, force_context_length=64)
     path = tmp_path / "clove.pt"

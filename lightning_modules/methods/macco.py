@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from core.encoders import ImageFeatures, TextFeatures
+from modeling.encoders import ImageFeatures, TextFeatures
 from lightning_modules.base import CompositionalCLIPModule, Terms
 from modeling.losses import (ClipLoss, masked_contrastive_loss, masked_patch_loss, masked_token_loss,
                                       normalised_patch_targets)

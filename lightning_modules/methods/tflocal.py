@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
 
-from core.encoders import CLIPEncoders
+from modeling.encoders import CLIPEncoders
 from datamodules.features import backbone_fingerprint, frozen_image_features, frozen_text_features, length_mask
 from evaluation.aligner import AlignerScorer, export_aligner
 from lightning_modules.base import HOST_LENGTHS, CompositionalCLIPModule, Terms

@@ -149,11 +149,11 @@ def build_model(name: str, pretrained: Optional[str] = None, config_dir: Optiona
     published checkpoint: `name="zoo:NAME"` with `pretrained=FILE`, `pretrained="zoo:NAME:FILE"` (the model name
     must then be the zoo entry's), or `pretrained="hf:DIR"`, a Hugging Face `CLIPModel` folder."""
     if name.startswith(ZOO_PREFIX) or (pretrained or "").startswith(ZOO_PREFIX):
-        from core.published import build_from_zoo  # it builds on this module
+        from modeling.published import build_from_zoo  # it builds on this module
 
         return build_from_zoo(name, pretrained, config_dir)
     if (pretrained or "").startswith(HF_PREFIX):
-        from core.published import build_from_hf
+        from modeling.published import build_from_hf
 
         return build_from_hf(pretrained[len(HF_PREFIX):], name, config_dir)
     register_model_configs(config_dir)
@@ -167,7 +167,7 @@ def build_model(name: str, pretrained: Optional[str] = None, config_dir: Optiona
     model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
         name, pretrained=None if local else argument)
     if local:  # read strictly: open_clip's own loader would resize a text context that does not fit, silently
-        from core import checkpoints
+        from modeling import checkpoints
 
         checkpoints.load_strict(model, checkpoints.read_checkpoint(argument, "wrappers", model))
     return BuiltModel(model, name, preprocess_train, preprocess_val, open_clip.get_tokenizer(name),

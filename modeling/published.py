@@ -1,7 +1,7 @@
 """Published checkpoints as open_clip models: zoo entries (`core/zoo.py`) and Hugging Face `CLIPModel` folders.
 
-`core.encoders.build_model` hands these over: `name="zoo:NAME"` with `pretrained=FILE`, `pretrained="zoo:NAME:FILE"`
-(a training config's form) and `pretrained="hf:DIR"`. Each file is read by its format (`core/checkpoints.py`) and
+`modeling.encoders.build_model` hands these over: `name="zoo:NAME"` with `pretrained=FILE`, `pretrained="zoo:NAME:FILE"`
+(a training config's form) and `pretrained="hf:DIR"`. Each file is read by its format (`modeling/checkpoints.py`) and
 loaded strictly into its architecture, built with the entry's text context (CLoVe's 64 tokens get their own model
 name, so an export never reuses the 77-token model's).
 """
@@ -17,8 +17,8 @@ import open_clip
 from open_clip.transform import PreprocessCfg, image_transform_v2
 from torch import nn
 
-from core import checkpoints, hf_clip
-from core.encoders import QUICKGELU_SUFFIX, ZOO_PREFIX, BuiltModel, register_model_configs
+from modeling import checkpoints, hf_clip
+from modeling.encoders import QUICKGELU_SUFFIX, ZOO_PREFIX, BuiltModel, register_model_configs
 from core.zoo import ZooEntry, zoo_entry
 
 

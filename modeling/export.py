@@ -3,7 +3,7 @@
 `open_clip.create_model_and_transforms(model_json["model"], pretrained=".../open_clip.pt")` rebuilds the
 fine-tuned model unchanged. Tiny models that open_clip does not ship have their config copied to
 `export/model_configs/`, so `load_export` can register it first. `export/hf/` holds the same weights as a
-Hugging Face `transformers.CLIPModel` folder with its CLIPProcessor files (`core.hf_clip`), for the models
+Hugging Face `transformers.CLIPModel` folder with its CLIPProcessor files (`modeling.hf_clip`), for the models
 HF's CLIP expresses exactly; model.json's "hf" names it when it was written.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ import open_clip
 import torch
 from torch import nn
 
-from core.encoders import MODEL_CONFIGS_DIR, BuiltModel, build_model
+from modeling.encoders import MODEL_CONFIGS_DIR, BuiltModel, build_model
 from core.files import atomic_write_bytes, atomic_write_text
-from core.hf_clip import UnsupportedModel, open_clip_to_hf
+from modeling.hf_clip import UnsupportedModel, open_clip_to_hf
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ text tower pooled at its EOS token, pre-LN blocks without layer scale, LayerNorm
 GELU (erf, HF "gelu") or QuickGELU, in both towers. Anything else is refused with a ValueError naming it
 (`UnsupportedModel`).
 
-transformers is imported inside the functions that use it: `core.export` imports this module, and most of
+transformers is imported inside the functions that use it: `modeling.export` imports this module, and most of
 what imports that never converts anything.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from open_clip.transformer import QuickGELU, ResidualAttentionBlock, VisionTransformer
 from torch import Tensor, nn
 
-from core.checkpoints import CheckpointMismatch, describe_mismatch
+from modeling.checkpoints import CheckpointMismatch, describe_mismatch
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
