@@ -12,14 +12,12 @@ STUDY_JOBS ?= 2
 # Everything runs offline: a hub call fails fast instead of hanging.
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-# pytest marker expression; `make test PYTEST_MARK=""` also runs the tests marked slow.
-PYTEST_MARK ?= not slow
 
-.PHONY: setup demo study test perf gpu-check gpu-prepare clean-demo clean-study
+.PHONY: setup demo study test lint perf gpu-check gpu-prepare clean-demo clean-study
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt setup.cfg pyproject.toml
+$(STAMP): requirements.txt setup.cfg setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
@@ -45,38 +43,45 @@ demo: setup $(SHAPES)/annotations/heldout.json
 		runs.sgi_pretrained=runs/demo_pretrain@sgi
 
 test: setup
-	$(PY) -m pytest -m "$(PYTEST_MARK)"
+	$(PY) -m pytest
+
+# ruff (pinned in requirements.txt; rules in pyproject.toml) over every Python file git does not ignore.
+lint: setup
+	$(VENV)/bin/ruff check .
 
 perf: setup
 	$(PY) -m perf.step --out runs/perf_step.json
 	$(PY) -m perf.preprocess --out runs/perf_preprocess.json
 	$(PY) -m perf.loader --out runs/perf_loader.json
 
-# The GPU check (docs/gpu.md): one command on a machine with one CUDA GPU, at most 8 minutes, results in
-# $(GPU_OUT).json / .md / .log. It needs no venv: the GPU machine's python3 has torch and Lightning, and the bundle
-# that `make gpu-prepare` wrote brings the rest (its first stage installs the wheels into $(GPU_PREP)/site).
+# The GPU node check (docs/gpu.md): one command on a node with one CUDA GPU and no package index, at most 8 minutes,
+# results in $(GPU_OUT).json / .md / .log. It needs no venv: the node's python3 brings torch and Lightning, and the
+# bundle that `make gpu-prepare` wrote brings the rest (its first stage installs the wheels into $(GPU_PREP)/site).
 GPU_PYTHON ?= python3
 GPU_OUT ?= runs/gpu_check
 gpu-check:
-	$(GPU_PYTHON) -m perf.gpu_check --bundle $(GPU_PREP) --out $(GPU_OUT)
+	$(GPU_PYTHON) -m gpucheck --bundle $(GPU_PREP) --out $(GPU_OUT)
 
-# The bundle for a GPU machine that has no package registry and no spaCy (its python3 3.12 has torch, lightning,
-# timm, ... but not the packages below, and transformers 5, which GroundingDINO cannot use): wheels of what it
-# lacks, a small shapes world with its preprocessing cache and the throughput batch's caption records, into
-# $(GPU_PREP)/ (git-ignored; carried to the machine). perf.gpu_bundle prints the size with the tracked files and
-# fails over 64 MiB. pycocotools is groundingdino-py's own dependency (the wheels install with --no-deps).
+# The check's bundle, made where a package index and spaCy are, into $(GPU_PREP)/ (git-ignored; it travels with the
+# checkout): the wheels of GPU_WHEELS for the node's Python (GPU_PLATFORM), a small shapes world with its
+# preprocessing cache, and the throughput batch's caption records. The default wheels are what a node image with
+# Python 3.12, torch, torchvision, Lightning, timm, numpy, pillow, tensorboard, matplotlib, pyarrow and PyYAML lacks
+# (GroundingDINO needs transformers 4; pycocotools is groundingdino-py's own dependency: the wheels install with
+# --no-deps). `make gpu-prepare GPU_MAX_MIB=N` refuses a bundle over N MiB with the tracked files (default: the size
+# is only reported).
 GPU_PREP := .gpu
-GPU_WHEELS := open-clip-torch==3.3.0 ftfy==6.3.1 wcwidth==0.9.4 omegaconf==2.4.0 addict==2.4.0 yapf==0.43.0 \
+GPU_MAX_MIB ?=
+GPU_WHEELS ?= open-clip-torch==3.3.0 ftfy==6.3.1 wcwidth==0.9.4 omegaconf==2.4.0 addict==2.4.0 yapf==0.43.0 \
 	platformdirs==4.14.9 pycocotools==2.0.11 transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2 \
 	peft==0.21.2 accelerate==1.16.0 psutil==7.2.2
-GPU_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+GPU_PLATFORM ?= --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 gpu-prepare: setup
 	rm -rf $(GPU_PREP)/whl $(GPU_PREP)/site && mkdir -p $(GPU_PREP)/whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORM) -d $(GPU_PREP)/whl $(GPU_WHEELS)
 	$(PY) -m pip wheel -q --no-deps -w $(GPU_PREP)/whl groundingdino-py==0.4.0
-	$(PY) -m perf.gpu_bundle --out $(GPU_PREP)
+	$(PY) -m gpucheck.bundle --out $(GPU_PREP) $(if $(GPU_MAX_MIB),--max-mib $(GPU_MAX_MIB))
 
 # The controlled method study (docs/study.md), the framework's headline experiment: world, preprocessing
 # cache, three backbones, the frozen features of the aligner methods, the sweep of every method x condition x lr x

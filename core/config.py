@@ -20,7 +20,11 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from core.files import atomic_write_text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BASE_CONFIG = REPO_ROOT / "configs" / "base.yaml"
+# The run-time configs (base.yaml, models/): a clone's configs/ folder, or in an installed package the copy that the
+# build puts inside this package (setup.py), so that a run finds them from any working directory.
+PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS_DIR = PACKAGED_CONFIGS if PACKAGED_CONFIGS.is_dir() else REPO_ROOT / "configs"
+BASE_CONFIG = CONFIGS_DIR / "base.yaml"
 
 
 @dataclass

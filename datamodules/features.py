@@ -14,7 +14,8 @@ and per image (stored once, shared by its captions)
 
 float16 on disk halves the size (COCO train at ViT-B/32: ~6 GB of image tokens, ~9 GB of text tokens); the
 tokens are LayerNorm-ed by the aligner's input layer, so their 3 significant digits are plenty. Images are
-encoded with the deterministic evaluation transform: there is one cached view per image, no augmentation.
+decoded by `parsers.images` (as training, grounding and the benchmarks decode them) and encoded with the
+deterministic evaluation transform: there is one cached view per image, no augmentation.
 
 The store is datamodules/cache.py's `ShardedCache` with tensors as the payload (`FeatureShards`): the same
 shard / checksum / manifest conventions and the same `--shard` loop as the preprocessing cache. Layout:
@@ -56,6 +57,7 @@ from datamodules.cache import (CacheError, ShardedCache, add_shard_argument, cac
 from datamodules.coco import (IMAGE_ERRORS, build_dataloader, check_enough_samples, cycled_negative_rows,
                               find_truncated, read_image_ids, tokenize_captions, trainer_epoch_position)
 from datamodules.inputs import InputError, check_feature_inputs
+from parsers.images import read_rgb_file
 
 log = logging.getLogger("datamodules.features")
 
@@ -246,8 +248,8 @@ class _ImageFiles(Dataset):
 
     def __getitem__(self, index: int) -> Tuple[Tensor, bool]:
         try:
-            with Image.open(self.paths[index]) as image:
-                return self.preprocess(image.convert("RGB")), True
+            # the decoder of training and grounding: a 16-bit image is scaled here as it is there, not clipped
+            return self.preprocess(read_rgb_file(self.paths[index])), True
         except IMAGE_ERRORS as err:
             if self.on_bad_image == "error":
                 raise OSError(f"cannot read image {self.paths[index]}: {err} (data.on_bad_image=skip drops "

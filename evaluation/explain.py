@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch import Tensor
 from torchvision import transforms
 from torchvision.transforms import InterpolationMode
@@ -44,6 +44,7 @@ from evaluation.figures import TextPanel, explanation_figure, png_bytes
 from modeling.attribution import (ATTRIBUTIONS, HEADS, TEXT_LAMBDA_RANGES, AttributionOptions,
                                                    TextAttributionInputs, eos_positions, image_grad_eclip,
                                                    text_attribution, word_end_table)
+from parsers.images import IMAGE_ERRORS, read_rgb_file
 
 DEFAULTS = AttributionOptions()
 END_OF_WORD = "</w>"
@@ -122,12 +123,13 @@ def load_model(args: argparse.Namespace) -> BuiltModel:
 
 
 def read_image(path: Path) -> Image.Image:
+    """The 8-bit RGB image of `--image`, decoded by `parsers.images` as training and the benchmarks decode it; a
+    missing or undecodable file exits with a message naming it."""
     if not path.is_file():
         raise SystemExit(f"--image {path}: no such file")
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError) as err:
+        return read_rgb_file(path)
+    except IMAGE_ERRORS as err:
         raise SystemExit(f"--image {path}: cannot read it as an image ({err})") from None
 
 

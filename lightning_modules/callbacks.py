@@ -199,7 +199,7 @@ def training_numerics(trainer: L.Trainer) -> dict:
     """What the exact bits of trained weights depend on beyond the config: the device (for a CPU its vector
     instruction set and its generation), the threads per process, the number of processes, the precision and
     torch's version. The same config trained again with any of these changed gives other weights after a few
-    hundred steps, so a results bundle records them with each backbone (slurm/bundle.py) to say why a regenerated
+    hundred steps, so a results bundle records them with each backbone (study/records.py) to say why a regenerated
     one differs."""
     device = trainer.strategy.root_device
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"

@@ -24,7 +24,7 @@ from open_clip.transformer import ResidualAttentionBlock, Transformer
 from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from core.config import REPO_ROOT
+from core.config import CONFIGS_DIR, REPO_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,13 @@ class BuiltModel:
 
 
 def resolve_path(path: str) -> Path:
-    """Relative paths in configs are relative to the working directory, else to the repository."""
+    """Relative paths in configs are relative to the working directory, else to the repository; `configs/...`
+    (base.yaml's `model.config_dir`) is the installed package's copy when there is one."""
     candidate = Path(path)
     if candidate.is_absolute() or candidate.exists():
         return candidate
+    if candidate.parts[:1] == ("configs",):
+        return CONFIGS_DIR.joinpath(*candidate.parts[1:])
     return REPO_ROOT / candidate
 
 

@@ -1,4 +1,9 @@
-"""Image files -> 8-bit RGB, decoded one way for grounding and for training, and the images neither can use.
+"""Image files -> 8-bit RGB, decoded one way everywhere, and the images boxes cannot be drawn on.
+
+This module is the project's one image decoder: grounding, training (the COCO datamodule, the frozen-feature
+cache), the benchmarks (files, crops, zip members, parquet cells, video frames) and the explanation CLI all read
+pixels through `read_rgb_file`, `read_rgb_bytes` or `read_npy_frame`, so a file decodes to the same pixels
+whichever of them reads it (tests/test_images.py holds every path to that).
 
 `Image.convert("RGB")` is right for every 8-bit mode (L, P, LA, RGBA, CMYK, YCbCr, 1) but not for integer
 grayscale: PIL clips a 16-bit value to 255 instead of scaling it, so a 16-bit PNG becomes almost pure white
@@ -15,7 +20,9 @@ with a short side under 133 px (at about 40:1 too few tokens remain for its 900 
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import io
+import os
+from typing import Optional, Tuple, Union
 
 import numpy as np
 from PIL import Image
@@ -61,10 +68,29 @@ def rgb_image(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def read_rgb_file(path: str) -> Image.Image:
+def read_rgb_file(path: Union[str, os.PathLike]) -> Image.Image:
     """The 8-bit RGB image of a file; raises one of `IMAGE_ERRORS` when it cannot be decoded."""
-    with Image.open(path) as image:
+    with Image.open(path) as image:  # closed at once: an evaluation or a feature job opens thousands of files
         return rgb_image(image)
+
+
+def read_rgb_bytes(data: bytes) -> Image.Image:
+    """The 8-bit RGB image of an encoded image file's bytes (a zip member, a parquet image cell), decoded as
+    `read_rgb_file` decodes the file; raises one of `IMAGE_ERRORS` when they cannot be decoded."""
+    with Image.open(io.BytesIO(data)) as image:
+        return rgb_image(image)
+
+
+def read_npy_frame(path: Union[str, os.PathLike]) -> Image.Image:
+    """A video frame stored as a numpy array [H, W, 3] of uint8 in BGR order (EqBen's YouCook2 frames, read as its
+    `process_img_npy` reads them), as an 8-bit RGB image; anything else raises OSError naming the file."""
+    try:
+        array = np.load(path)
+    except (ValueError, EOFError) as error:  # not an .npy file, a pickled object array, a truncated file
+        raise OSError(f"{path}: not a numpy array file ({error})") from error
+    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
+        raise OSError(f"{path}: expected a [H, W, 3] uint8 array, found {array.dtype} {array.shape}")
+    return Image.fromarray(np.ascontiguousarray(array[:, :, [2, 1, 0]]), "RGB")
 
 
 def image_shape_problem(size: Tuple[int, int], annotated_size: Optional[Tuple[int, int]] = None,

@@ -36,7 +36,7 @@ from evaluation.scorers import PRECISIONS, ClipScorer, Scorer
 from evaluation.sgi import CROP_SETS, SGIScorer, crops_per_image, parse_grids
 from parsers.scene_graph import SceneGraphParser
 from perf import versus_clip_benchmark
-from perf.versus_clip_benchmark import SHARED_SUGARCREPE
+from perf.versus_clip_benchmark import SUGARCREPE_FIXTURE
 
 DEFAULT_ROOT = Path("runs/perf_evaluate")
 
@@ -61,8 +61,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     versus.add_argument("--clip-benchmark", action="store_true", help="run the comparison (and nothing else)")
     versus.add_argument("--cb-images", type=int, default=40,
                         help="distinct images of the stand-in; every SugarCrepe item of each is kept (~4.8 per image)")
-    versus.add_argument("--annotations", type=Path, default=SHARED_SUGARCREPE,
-                        help="folder of the 7 official SugarCrepe JSON files (absent: generated captions)")
+    versus.add_argument("--annotations", type=Path,
+                        help="folder of the 7 official SugarCrepe JSON files (default: the fixture "
+                             f"tests/data/{SUGARCREPE_FIXTURE}; a path that is not a folder: generated captions)")
     add_precision(versus, list(PRECISIONS), default="32-true",
                   help="ours: ClipScorer precision; clip_benchmark: autocast on unless 32-true (its --no_amp)")
     versus.add_argument("--device", default="cpu")

@@ -1,14 +1,14 @@
-"""`python -m perf.gpu`: the throughput table of the GPU check, every method and the offline jobs timed on one GPU.
+"""`python -m perf.gpu`: the GPU throughput table, every method and the offline jobs timed on one GPU.
 
     python -m perf.gpu [--out runs/perf_gpu] [--peak-tflops T] [--budget-s 420]
     python -m perf.gpu --cpu-smoke      # the same code paths on the CPU at tiny settings (the test suite runs it)
 
 It writes one JSON document and one Markdown table (`--out PATH`: PATH.json and PATH.md), rewritten after every
 row and section, so a run killed part-way leaves what it finished. Sections run under time budgets, so the whole
-check stays within `--budget-s` (default 7 minutes); a row or section that fails (out of memory, an op without
+run stays within `--budget-s` (default 7 minutes); a row or section that fails (out of memory, an op without
 CUDA support) is recorded with its error and the rest still runs. `--no-budget` runs every row and section in
 full, whatever the time (the tests: what they check must not depend on how fast the machine is). The budget is
-the tool's own pacing; `python -m perf.gpu_check` runs it as one stage under a hard timeout.
+the tool's own pacing; the GPU node check (`python -m gpucheck`) runs it as one stage under a hard timeout.
 
 training    every row is a `perf.step` variant, built and stepped by `perf.step.Variant` (the same model builder,
             batch and step as `python -m perf.step`: CUDA synchronised around each step, timed with
@@ -36,9 +36,9 @@ evaluation  our harness (`evaluation.harness.run_benchmark` with a `ClipScorer`,
 
 The device section gives the GPU's name, its dense bf16 peak (BF16_PEAK_TFLOPS, from vendor datasheets, or
 `--peak-tflops`; the output says which) and the rates of bf16, tf32 and fp32 matrix products measured here (the
-achievable ceilings; each row's MFU is given against its precision's too). The GPU machine's image has no spaCy:
-the training batch's caption records are written beforehand where spaCy is (`--write-records --out FILE`;
-`make gpu-prepare` writes them, see docs/gpu.md).
+achievable ceilings; each row's MFU is given against its precision's too). Where spaCy is not installed, the
+training batch's caption records are written beforehand where it is (`--write-records --out FILE`) and read with
+`--records FILE` (the GPU node check's bundle carries them: docs/gpu.md).
 A benchmark, not a test.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ TRAINING_KEYS = ("method", "variant", "batch_size", "precision", "status", "erro
 
 @dataclass(frozen=True)
 class Settings:
-    """What differs between the GPU check and its tiny CPU mode."""
+    """What differs between the GPU run and its tiny CPU mode."""
 
     model: str
     batch_size: int
@@ -158,7 +158,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (overrides the table)")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budget-s", type=float, help="the whole check's time budget (GPU default 420 s)")
+    budget.add_argument("--budget-s", type=float, help="the whole run's time budget (GPU default 420 s)")
     budget.add_argument("--no-budget", action="store_true", help="no time budget: every row runs its --steps "
                         "steps and every section runs, however long it takes")
     parser.add_argument("--steps", type=int, help="timed steps per method (default 20)")
@@ -408,7 +408,7 @@ def training_line(row: dict) -> str:
             f"{row['peak_memory_gib']:7.2f} GiB")
 
 
-# ----- records for machines without spaCy ---------------------------------------------------------------------
+# ----- records for an interpreter without spaCy --------------------------------------------------------------
 def write_records(path: Path, count: int) -> None:
     """The first `count` batch captions (perf.step.real_captions) with their preprocessing records."""
     captions = step.real_captions(count)
@@ -520,7 +520,7 @@ def guarded(section: Callable[[], dict]) -> dict:
 
 
 def budgeted(share_s: float, section: Callable[[], dict]) -> dict:
-    """`guarded(section)` when it has time left, else a skipped section (the whole check keeps its budget)."""
+    """`guarded(section)` when it has time left, else a skipped section (the whole run keeps its budget)."""
     if share_s <= 0:
         return {"status": "skipped", "error": "time budget spent"}
     return guarded(section)
@@ -529,16 +529,16 @@ def budgeted(share_s: float, section: Callable[[], dict]) -> dict:
 def check_can_run(args: argparse.Namespace, sections: Sequence[str]) -> None:
     """Refuse before any work: no CUDA device (outside the CPU mode), or a batch nothing can parse."""
     if not args.cpu_smoke and not torch.cuda.is_available():
-        raise SystemExit("perf.gpu: no CUDA device here (torch.cuda.is_available() is False) and this check times "
+        raise SystemExit("perf.gpu: no CUDA device here (torch.cuda.is_available() is False) and this benchmark times "
                          "GPU training; run `python -m perf.gpu --cpu-smoke` for its tiny CPU mode")
     if "training" in sections and args.records is None and importlib.util.find_spec("spacy") is None:
         raise SystemExit("perf.gpu: spaCy is not installed here, so the training batch's captions cannot be parsed; "
                          "write their records where it is (`python -m perf.gpu --write-records --out "
-                         ".gpu/records.json`) and pass --records")
+                         "records.json`) and pass --records")
 
 
 def section_share(settings: Settings, cap_s: float, left_s: float) -> float:
-    """A later section's time: its cap, or what the whole check has left when that is less; no limit without a
+    """A later section's time: its cap, or what the whole run has left when that is less; no limit without a
     budget."""
     return math.inf if settings.budget_s is None else min(cap_s, left_s)
 
@@ -633,12 +633,12 @@ def budget_text(budget_s: Optional[float]) -> str:
 
 def markdown_report(result: dict) -> str:
     device = result["device"]
-    lines = [f"# GPU check (`python -m perf.gpu`, mode {result['mode']})", "",
+    lines = [f"# GPU throughput (`python -m perf.gpu`, mode {result['mode']})", "",
              f"Device: {device['name']} ({device['kind']}), torch {device['torch']}. Dense bf16 peak: "
              f"{number(device['bf16_peak_tflops'], '.1f')} TFLOP/s ({device['peak_source']}); a "
              f"{device['matmul_size']}^3 matrix product measured {device['matmul_bf16_tflops']:.1f} TFLOP/s in bf16, "
              f"{device['matmul_tf32_tflops']:.1f} in tf32, {device['matmul_fp32_tflops']:.1f} in fp32. "
-             f"Whole check {result['elapsed_s']:.0f} s {budget_text(result['settings']['budget_s'])}.", ""]
+             f"Whole run {result['elapsed_s']:.0f} s {budget_text(result['settings']['budget_s'])}.", ""]
     for name, section in (("training", training_table), ("grounding", grounding_table),
                           ("evaluation", evaluation_table)):
         if name in result:

@@ -38,11 +38,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from core.cli import add_output
 from parsers.scene_graph import DEFAULT_MODEL, SceneGraphParser
+from testkit.fixtures import fixture
 
 # Nothing here imports numpy or torch at module level: `pin_to_one_core` must cap their thread pools first.
 
-NEGCLIP_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
-SUGARCREPE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
+# The default real captions: the repository's fixtures (tests/data/, resolved when used, so `--help` needs neither).
+NEGCLIP_TSV = "negclip/valid_neg_clip.tsv"
+SUGARCREPE_DIR = "sugarcrepe"
 CAPTIONS_PER_IMAGE = 5  # COCO's captions per image
 COCO_TRAIN2017_IMAGES = 118_287
 FLOPS_IMAGE_SIZE = 800  # the preprocessing default (preprocess.grounding_image_size)
@@ -59,7 +61,8 @@ BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?"]
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parse-only", action="store_true", help="time the scene-graph parser alone")
-    parser.add_argument("--captions", type=Path, default=NEGCLIP_TSV, help="TSV with a `title` column")
+    parser.add_argument("--captions", type=Path,
+                        help=f"TSV with a `title` column (default: the fixture tests/data/{NEGCLIP_TSV})")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs; the best one is reported")
@@ -72,8 +75,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="GroundingDINO device: cpu or cuda")
     parser.add_argument("--grounding", default="all", choices=("all", "grid", "modes"),
                         help="grid: phrases per image x images per forward; modes: per_phrase vs joint prompts")
-    parser.add_argument("--caption-groups", type=Path, default=SUGARCREPE_DIR,
-                        help="SugarCrepe annotation folder: real COCO captions grouped by image (prompt modes)")
+    parser.add_argument("--caption-groups", type=Path,
+                        help="SugarCrepe annotation folder: real COCO captions grouped by image (prompt modes; "
+                             f"default: the fixture tests/data/{SUGARCREPE_DIR})")
     parser.add_argument("--mode-images", type=int, default=2, help="images in the prompt-mode comparison")
     parser.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
                         help="ASSUMED sustained GPU TFLOP/s for the COCO train2017 GPU-hour estimate")
@@ -350,12 +354,10 @@ def forward_flops(grounder, image_path: str, prompts: Dict[str, str], image_size
                   ) -> Dict[str, float]:
     """FLOPs of one GroundingDINO forward (one image, one prompt) per named prompt, at `image_size`."""
     from torch.utils.flop_counter import FlopCounterMode
-    from PIL import Image
-
     from parsers.grounding import groundingdino_image_tensor
+    from parsers.images import read_rgb_file
 
-    with Image.open(image_path) as image:
-        tensor = groundingdino_image_tensor(image.convert("RGB"), image_size, round(image_size * 1333 / 800))
+    tensor = groundingdino_image_tensor(read_rgb_file(image_path), image_size, round(image_size * 1333 / 800))
     flops = {}
     for name, prompt in prompts.items():
         with FlopCounterMode(display=False) as counter:
@@ -374,7 +376,7 @@ def prompt_modes_report(args: argparse.Namespace, parsing: dict, directory: Path
     """Real phrase sets, the timed modes, one forward's FLOPs per mode, and the COCO train2017 estimate."""
     from parsers.grounding import GroundingRequest, build_grounder, joint_prompts, phrase_prompt
 
-    phrase_sets = image_phrase_sets(coco_caption_groups(args.caption_groups), args.model)
+    phrase_sets = image_phrase_sets(coco_caption_groups(args.caption_groups or fixture(SUGARCREPE_DIR)), args.model)
     chosen = phrase_sets[: args.mode_images]
     images = write_images(directory, len(chosen))
     words = {word for p in phrase_sets for text in p for word in text.lower().split()}
@@ -437,7 +439,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     cores = allowed_cores()
     core = None if args.all_cores else pin_to_one_core()
-    captions = read_captions(args.captions)
+    captions = read_captions(args.captions or fixture(NEGCLIP_TSV))
     report = {"parse_only": args.parse_only, "core": core, "python": platform.python_version(),
               "parsing": benchmark_parsing(captions, args.model, args.batch_size, args.repeats)}
     print_parsing(report["parsing"])

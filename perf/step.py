@@ -97,8 +97,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-# Cache records written on another machine (`python -m perf.gpu --write-records`), read first when set: the GPU
-# machine may have neither spaCy nor the captions file.
+# Cache records written elsewhere (`python -m perf.gpu --write-records`), read first when set: where perf.gpu runs
+# (a GPU node without a package index) may have neither spaCy nor the captions file.
 PREPARED_RECORDS: List[dict] = []
 
 

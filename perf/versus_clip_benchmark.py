@@ -43,13 +43,15 @@ from torch.utils.data import DataLoader
 
 from evaluation.benchmarks import build_benchmark
 from evaluation.benchmarks.base import unique
+from testkit.fixtures import fixture
 from testkit.standin.sugarcrepe import write_sugarcrepe, write_sugarcrepe_sample
 from evaluation.benchmarks.sugarcrepe import SUBSETS
 from evaluation.harness import run_benchmark
 from evaluation.scorers import ClipScorer
 
 CLIP_BENCHMARK_VERSION = "1.6.2"
-SHARED_SUGARCREPE = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
+# The default annotations: the repository's copy of the 7 official files (tests/data/), resolved when used.
+SUGARCREPE_FIXTURE = "sugarcrepe"
 INSTALL_HINT = (
     f"clip_benchmark is not installed; it is needed for this comparison only (not a project dependency). "
     f"Either `pip install --no-deps --target runs/clip_benchmark_site clip_benchmark=={CLIP_BENCHMARK_VERSION}` "
@@ -222,7 +224,8 @@ def main(args) -> Dict[str, object]:
     if args.threads:
         torch.set_num_threads(args.threads)
     root = args.data_root / "sugarcrepe_vs_clip_benchmark"
-    standin = write_standin(root, args.cb_images, args.annotations, seed=0)
+    annotations = args.annotations if args.annotations is not None else fixture(SUGARCREPE_FIXTURE)
+    standin = write_standin(root, args.cb_images, annotations, seed=0)
     torch.manual_seed(0)
     base = ClipScorer.from_pretrained(args.model, None, device=args.device, precision=args.precision,
                                       batch_size=args.batch_size, num_workers=args.num_workers)

@@ -1,2 +1,3 @@
-"""SLURM integration: sbatch templates, grid sweeps as array jobs (`sweep.py`), the sweep's file layout (`runs.py`)
-and the results bundle's (`bundle.py`), which a sweep reads to skip what a study has kept."""
+"""SLURM integration: sbatch templates, grid sweeps as array jobs (`sweep.py`) and the sweep's file layout (`runs.py`).
+A sweep skips what a study has kept by reading the study's run records through the file contract of
+`core/run_records.py` (the format is the study's, `study/records.py`)."""

@@ -44,7 +44,8 @@ and an error with `--local`, whose runs read them here.
 An optional `study:` mapping (settings of the study report, `python -m study`, which validates
 it) is copied into sweep.json unchanged.
 
-An optional `bundle: DIR` names the results bundle the study report writes (`slurm/bundle.py`): a run whose
+An optional `bundle: DIR` names the results bundle the study report writes (its format is the study's,
+`study/records.py`; the part read here is the file contract of `core/run_records.py`): a run whose
 record is in `DIR/<name>/runs/` is skipped (`--local`, the SLURM array and each array task alike) when its
 resolved config has the record's digest and its backbone (`model.pretrained`) the record's sha256, so a sweep
 run later, from a clean clone with the backbones regenerated, continues where the bundle stopped. A record that
@@ -64,14 +65,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
 from core.cli import add_key_values, key_value_sections, refuse_renamed
 from core.config import GPU_ACCELERATORS, ConfigError
 from core.files import atomic_write_text
-from slurm.bundle import export_numerics, file_sha256, pretrained_weights, read_run_record, record_problems
+from core.run_records import (BACKBONE, BACKBONE_NUMERICS, BACKBONE_PATH, BACKBONE_SHA256, CONFIG, CONFIG_DIGEST,
+                               backbone_weights, config_differences, export_numerics, file_sha256, read_run_record)
 from slurm.runs import RUN_LOG, SWEEP_FILE, export_complete
 
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
@@ -110,7 +112,7 @@ class Sweep:
     runs: List[Run]
     slurm: Dict[str, object]
     study: Dict[str, object] = field(default_factory=dict)
-    bundle: Optional[str] = None  # the results bundle whose records this sweep skips (slurm/bundle.py)
+    bundle: Optional[str] = None  # the results bundle whose records this sweep skips (core/run_records.py)
 
     @property
     def directory(self) -> Path:
@@ -299,12 +301,43 @@ def bundle_status(bundle: Path, sweep_name: str, run: Run, runs_root: str) -> Tu
     if record is None:
         return ABSENT, []
     config = run_config(run, runs_root)
-    weights = pretrained_weights(config["model"]["pretrained"])
+    weights = backbone_weights(config["model"]["pretrained"])
     if weights is not None and not weights.is_file():
         return UNCHECKED, [str(weights)]
     problems = record_problems(record, config_digest(config), result_keys(config),
                                file_sha256(weights) if weights is not None else None, export_numerics(weights))
     return (DIFFERS, problems) if problems else (BUNDLED, [])
+
+
+def record_problems(record: Mapping[str, Any], digest: str, config: Mapping[str, Any],
+                    backbone_sha256: Optional[str], backbone_numerics: Optional[Mapping[str, Any]] = None) -> List[str]:
+    """Why a run's stored record does not belong to the run as configured now ([] when it does): another config
+    (the differing keys named) or another backbone (its checksum differs: the study was not continued from the
+    same backbone). A backbone retrained from the same config differs when it was trained on another device, CPU
+    (instruction set or generation), thread count or torch version; where both sides recorded these, the
+    difference is named."""
+    problems = []
+    if record.get(CONFIG_DIGEST) != digest:
+        differences = config_differences(record.get(CONFIG) or {}, config)
+        problems.append("its config differs from the bundle's record: "
+                        + ("; ".join(differences) if differences else "same keys, another digest"))
+    stored = record.get(BACKBONE) or {}
+    if stored.get(BACKBONE_SHA256) != backbone_sha256:
+        problems.append(f"its backbone {stored.get(BACKBONE_PATH)} has sha256 {backbone_sha256} here, and "
+                        f"{stored.get(BACKBONE_SHA256)} in the bundle: not the backbone the bundled runs started from"
+                        + numerics_difference(stored.get(BACKBONE_NUMERICS), backbone_numerics))
+    return problems
+
+
+def numerics_difference(stored: Optional[Mapping[str, Any]], now: Optional[Mapping[str, Any]]) -> str:
+    """How the two backbones' training differed numerically, as a clause for `record_problems`."""
+    if not stored or not now:
+        return (" (a backbone trained again gives the same bits only on the same device, CPU generation, "
+                "thread count and torch version; the bundle's backbones carry no record of those)")
+    differences = config_differences(stored, now)
+    if not differences:
+        return " (trained with the same recorded numerics: its config, data or other libraries differ)"
+    return " (trained differently: " + "; ".join(differences) + ")"
 
 
 def check_bundle(sweep: Sweep, indices: Sequence[int], data_here: bool) -> Tuple[List[int], List[str]]:

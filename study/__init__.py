@@ -11,8 +11,10 @@ scores them (`evaluation/`); nothing below imports it. Inside, each module impor
 - `validity.py`: the testbed validity table (backbones against the positive control, PASS / FAIL per criterion).
 - `report.py`: results.md / .csv, differences, selection, plots and the TensorBoard hparams view; the same
   Markdown as one page (`write_page`).
-- `bundle.py`: the study kept as data (records per run, frozen rows, report.json; the layout is
-  `slurm/bundle.py`'s), merged sitting by sitting, and the study read back from it alone.
+- `records.py`: the results bundle as files (layout, gzip JSON records, the carried backbone, its restore); the
+  part of it that `slurm.sweep` reads is the file contract of `core/run_records.py`.
+- `bundle.py`: the study kept as data (records per run, frozen rows, report.json, in `records.py`'s layout), merged
+  sitting by sitting, and the study read back from it alone.
 - `mechanisms.py`: each method's own mechanism measured on a run (attribution gaps, MACCO's reconstruction with
   the true or another partner, SmartCLIP's masks).
 - `cli.py` (also `__main__.py`): the command; `page.py`: `python -m study.page`, the report page from a bundle.

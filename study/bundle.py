@@ -2,8 +2,8 @@
 
 `python -m study --sweep DIR --bundle DIR` writes it (`update_bundle`) after scoring; `python -m study.page
 --bundle DIR` makes the report page from it alone (`load_bundle`); `slurm.sweep` skips the runs it holds. The
-file layout and the record checks are `slurm/bundle.py`'s (standard library only); the format as a reader sees it
-is `BUNDLE_README`, written to `<bundle>/README.md`.
+file layout is `study/records.py`'s (standard library only), the part the sweep reads `core/run_records.py`'s;
+the format as a reader sees it is `BUNDLE_README`, written to `<bundle>/README.md`.
 
 What a sitting adds is merged into what the bundle held: a run with a complete export here is scored and its
 record written (refused when the bundle holds a record of another config digest or backbone for it); a run
@@ -18,31 +18,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from slurm.bundle import (
-    FORMAT,
-    carry_backbone,
-    FROZEN_DIR,
-    README,
-    REPORT_DOCUMENT,
-    RUNS_DIR,
-    SWEEP_DOCUMENT,
-    config_differences,
-    export_numerics,
-    export_weights,
-    file_sha256,
-    frozen_record_path,
-    pretrained_weights,
-    read_records,
-    run_record_path,
-    sweep_folder,
-    weights_sha256,
-    write_json,
-    write_json_gz,
-)
 from core.files import atomic_write_text
+from core.run_records import (BACKBONE, BACKBONE_NUMERICS, BACKBONE_PATH, BACKBONE_SHA256, CONFIG, CONFIG_DIGEST,
+                              RUNS_DIR, backbone_weights, config_differences, export_numerics, export_weights,
+                              file_sha256, run_record_path)
 from slurm.runs import SWEEP_FILE, export_complete
 from study import validity as study_validity
 from study.analysis import Curves, Evaluations, Findings, Selection, Stored, json_safe
+from study.records import (FORMAT, FROZEN_DIR, README, REPORT_DOCUMENT, SWEEP_DOCUMENT, carry_backbone,
+                           frozen_record_path, read_records, sweep_folder, weights_sha256, write_json, write_json_gz)
 from study.settings import SplitEval, Study, StudyError, grid_run, study_of
 from study.stats import DEFAULT_LEVEL
 
@@ -69,16 +53,18 @@ def run_config(run_dir: Path) -> dict:
 
 def backbone_of(config: Mapping[str, object], where: str) -> Optional[dict]:
     """{"path", "sha256"} of the weights the run started from (`model.pretrained`), with the `numerics` its export
-    records (what its exact bits depend on: slurm/bundle.py); None without local weights."""
+    records (what its exact bits depend on: study/records.py); None without local weights. The sweep checks these
+    fields (core/run_records.py)."""
     pretrained = config["model"]["pretrained"]
-    weights = pretrained_weights(pretrained)
+    weights = backbone_weights(pretrained)
     if weights is None:
         return None
     if not weights.is_file():
         raise StudyError(f"{where}: its backbone {weights} is not here, so its checksum cannot be recorded (train "
                          "the backbones first)")
     numerics = export_numerics(weights)
-    return {"path": pretrained, "sha256": file_sha256(weights), **({"numerics": numerics} if numerics else {})}
+    return {BACKBONE_PATH: pretrained, BACKBONE_SHA256: file_sha256(weights),
+            **({BACKBONE_NUMERICS: numerics} if numerics else {})}
 
 
 def run_record(run_dir: Path, name: str, choices: Mapping[str, str], scores: Mapping[str, SplitEval],
@@ -87,8 +73,8 @@ def run_record(run_dir: Path, name: str, choices: Mapping[str, str], scores: Map
     from lightning_modules.resume import config_digest, result_keys
 
     config = run_config(run_dir)
-    return {"format": FORMAT, "name": name, "choices": dict(choices), "config_digest": config_digest(config),
-            "config": json_safe(result_keys(config)), "backbone": backbone_of(config, name),
+    return {"format": FORMAT, "name": name, "choices": dict(choices), CONFIG_DIGEST: config_digest(config),
+            CONFIG: json_safe(result_keys(config)), BACKBONE: backbone_of(config, name),
             "export_sha256": weights_sha256(Path(run_dir) / "export"),
             "numerics": export_numerics(export_weights(Path(run_dir) / "export")),
             "curves": {metric: [list(steps), list(values)] for metric, (steps, values) in sorted(curves.items())},
@@ -105,11 +91,10 @@ def frozen_record(name: str, export: Path, scorer: str, scores: Mapping[str, Spl
 def same_run(stored: Mapping[str, object], record: Mapping[str, object]) -> List[str]:
     """What differs between a bundle's record and the one made from the run folder here ([]: the same run)."""
     problems = []
-    if stored.get("config_digest") != record.get("config_digest"):
-        problems.append("config: " + "; ".join(config_differences(stored.get("config") or {},
-                                                                     record.get("config") or {})))
-    if stored.get("backbone") != record.get("backbone"):
-        problems.append(f"backbone: {stored.get('backbone')} (bundle) -> {record.get('backbone')} (here)")
+    if stored.get(CONFIG_DIGEST) != record.get(CONFIG_DIGEST):
+        problems.append("config: " + "; ".join(config_differences(stored.get(CONFIG) or {}, record.get(CONFIG) or {})))
+    if stored.get(BACKBONE) != record.get(BACKBONE):
+        problems.append(f"backbone: {stored.get(BACKBONE)} (bundle) -> {record.get(BACKBONE)} (here)")
     return problems
 
 
@@ -312,7 +297,7 @@ def update_bundle(bundle: Path, study: Study, evaluations: Evaluations,
     for name, record in frozen.items():
         write_json_gz(frozen_record_path(bundle, main["name"], name), record)
     for record in runs.values():
-        carry_backbone(bundle, main["name"], record["backbone"])
+        carry_backbone(bundle, main["name"], record[BACKBONE])
     write_json(sweep_folder(bundle, main["name"]) / REPORT_DOCUMENT,
                report_document(study, evaluations, selections, findings, validity))
     atomic_write_text(Path(bundle) / README, BUNDLE_README)

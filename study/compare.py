@@ -1,7 +1,7 @@
 """`python -m study.compare OLD NEW [--out FILE]`: how two results bundles of one design differ, item by item.
 
 Two sittings of the same study (same configs and world) give runs whose last bits depend on the machine that
-trained them: the CPU generation, the threads per run, the torch version (slurm/bundle.py). This command says how
+trained them: the CPU generation, the threads per run, the torch version (study/records.py). This command says how
 much that moves the results. For every run and frozen row both bundles hold under the same name, and every split
 both scored, it matches the swap items by id and counts those whose outcome differs (any of the four comparisons
 of the Winoground rule: `text_i0`, `text_i1`, `image_c0`, `image_c1`), and gives the group score of each side. It
@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from core.cli import add_output
 from core.files import atomic_write_text
-from slurm.bundle import FROZEN_DIR, RUNS_DIR, read_records
+from core.run_records import RUNS_DIR
+from study.records import FROZEN_DIR, read_records
 
 COMPARED_FLAGS = ("text_i0", "text_i1", "image_c0", "image_c1")
 

@@ -1,7 +1,7 @@
 """`python -m study.position_probe [--model NAME] [--init EXPORT] [--steps N]`: can the vision tower learn
 where things are?
 
-The shapes-world testbed diagnosis (docs/study.md#diagnosis). Relation direction ("the red square is left
+The shapes-world testbed diagnosis (docs/study-history.md#diagnosis). Relation direction ("the red square is left
 of the blue circle") needs an image embedding that binds each object's colour to its position. This probe asks
 whether the vision tower *can* learn that binding when it is told to, apart from contrastive learning: the tower
 plus a linear head is trained with cross-entropy on one binary label per image, "is the object whose colour comes

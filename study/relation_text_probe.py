@@ -1,6 +1,6 @@
 """`python -m study.relation_text_probe --data-root DIR [--steps N]`: can the text tower learn relations contrastively?
 
-The second half of the shapes-world testbed diagnosis (docs/study.md#diagnosis; `study.position_probe` is
+The second half of the shapes-world testbed diagnosis (docs/study-history.md#diagnosis; `study.position_probe` is
 the first). Relation direction needs both towers: an image embedding that binds each object's colour and shape to
 where it is, and a caption embedding that binds them to their role ("X left of Y" versus "Y left of X"). This
 probe removes the image side: every image is replaced by an *oracle* embedding computed from its scene graph,

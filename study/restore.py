@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from slurm.bundle import BundleError, carried_backbones, restore_backbone
+from study.records import BundleError, carried_backbones, restore_backbone
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -15,8 +15,8 @@ from PIL import Image
 from evaluation.benchmarks.base import GENERATED, OTHER, ImageRef, MissingBenchmarkData
 from evaluation.benchmarks.eqben import (FULL_ANNOTATIONS, PRIVATE_INDEX, PRIVATE_INFO, SOURCES, SUBSET_ANNOTATIONS,
                                          EqBen, five_part_mean)
-from evaluation.benchmarks.images import read_npy_frame
 from evaluation.scorers import FunctionScorer
+from parsers.images import read_npy_frame
 from testkit.standin.eqben import GLOBAL_ANNOTATIONS, write_eqben
 
 # ytaek-oh/vl_compo individual_results.csv, ViT-B-32 / openai: group per source; results.csv's `eqben`.

@@ -11,9 +11,8 @@ import pytest
 
 from evaluation.benchmarks import BENCHMARKS, MissingBenchmarkData, build_benchmark
 from evaluation.benchmarks.sugarcrepe import SUBSETS, SugarCrepe
+from testkit.fixtures import fixture
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="the shared data folder is not beside the repo")
 PUBLISHED = {"replace_obj": 90.92, "replace_att": 80.08, "replace_rel": 69.20, "swap_obj": 61.38,
              "swap_att": 63.96, "add_obj": 77.21, "add_att": 68.79, "overall_micro": 76.56}
 # The same per-item outcomes on the current annotation files, which lack swap_obj key "108" (an item CLIP gets
@@ -26,7 +25,7 @@ DROPPED_ITEM = ("swap_obj", "000000310622.jpg", "A West 32nd sign under a Korea 
 
 def _oracle_rows() -> list[dict]:
     """The BiVLC authors' per-item CLIP ViT-B/32 outcomes (7,512 rows, the paper's item set)."""
-    with open(SHARED / "clip_vit_b32_per_item_correct.csv", newline="") as handle:
+    with open(fixture("sugarcrepe/clip_vit_b32_per_item_correct.csv"), newline="") as handle:
         return list(csv.DictReader(handle))
 
 
@@ -35,7 +34,6 @@ def _join_key(subset: str, filename: str, caption: str, negative: str) -> tuple[
     return subset, filename, caption, negative
 
 
-@needs_shared
 def test_published_clip_numbers_from_the_per_item_oracle():
     """The BiVLC authors' per-item outcomes of OpenAI CLIP ViT-B/32 give exactly the paper's numbers."""
     rows = _oracle_rows()
@@ -49,12 +47,12 @@ def test_published_clip_numbers_from_the_per_item_oracle():
     assert round(result["add"], 2) == 75.09
 
 
-@needs_shared
 def test_clip_numbers_on_the_current_annotation_files(tmp_path):
     """The oracle's outcomes joined onto the 7,511 items our loader reads: what the current files can give."""
     oracle = {_join_key(f"{row['type']}_{row['subtype']}", row["filename"], row["caption"],
                         row["negative_caption"]): row["correct"] == "1" for row in _oracle_rows()}
-    benchmark = SugarCrepe(SHARED, images=tmp_path / "coco")  # no images: only the annotations are joined
+    # No images: only the annotations are joined.
+    benchmark = SugarCrepe(fixture("sugarcrepe"), images=tmp_path / "coco")
     items = benchmark.items()
     keys = [_join_key(item.meta["subset"], Path(item.images[0].path).name, *item.texts) for item in items]
     assert len(items) == 7511 and len(set(keys)) == len(keys)
@@ -68,10 +66,9 @@ def test_clip_numbers_on_the_current_annotation_files(tmp_path):
     assert {key: round(result[key], 2) for key in ON_CURRENT_FILES} == ON_CURRENT_FILES
 
 
-@needs_shared
 def test_reads_the_official_files_by_key(tmp_path):
     for subset in SUBSETS:
-        shutil.copy(SHARED / f"{subset}.json", tmp_path)
+        shutil.copy(fixture(f"sugarcrepe/{subset}.json"), tmp_path)
     benchmark = build_benchmark("sugarcrepe", tmp_path, images=tmp_path / "coco")
     items = benchmark.items()
     assert len(items) == 7511  # swap_obj lost key "108" upstream

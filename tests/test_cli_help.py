@@ -27,7 +27,7 @@ from core import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "parsers", "modeling", "datamodules", "evaluation", "lightning_modules", "testkit", "slurm", "perf",
-            "study")
+            "gpucheck", "study")
 MAIN_GUARD = re.compile(r"""^if __name__ == ["']__main__["']:""", re.MULTILINE)
 # Options no command may show: each was one of the dialects.
 FORBIDDEN = {"--json", "--md", "--report", "--write-exclusions", "--set", "--root", "--scorer-option", "--only",
@@ -94,7 +94,7 @@ def test_the_entry_points_are_found():
     assert {"lightning_modules.fit", "study", "evaluation.explain",
             "study.demo", "evaluation", "evaluation.evaluate", "evaluation.leakage", "datamodules.shapes",
             "datamodules.preprocess", "datamodules.features", "slurm.sweep", "perf.gpu", "perf.step",
-            "study.term_gradients"} <= set(ENTRY_POINTS)
+            "study.term_gradients", "gpucheck", "gpucheck.bundle", "gpucheck.stages"} <= set(ENTRY_POINTS)
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)

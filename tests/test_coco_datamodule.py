@@ -25,8 +25,8 @@ from datamodules.annotations import read_annotation_file, read_negclip_tsv
 from datamodules import coco
 from datamodules.coco import CocoCaptions, CocoDataModule, UnreadableImageError, build_dataloader
 from datamodules.hard_negatives import NeighbourTable, build_neighbour_table, draw_positions
+from testkit.fixtures import fixture
 
-REAL_NEGCLIP_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "negclip" / "valid_neg_clip.tsv"
 EOT = 49407
 IMAGE_SIZE = 32
 
@@ -334,9 +334,8 @@ def test_negclip_tsv_is_read_and_images_resolved(tmp_path, tokenizer, transform)
     assert read_negclip_tsv(str(tsv))[0].caption == 'A sign that says "Stop"'
 
 
-@pytest.mark.skipif(not REAL_NEGCLIP_TSV.is_file(), reason="the shared data folder is not beside the repo")
 def test_real_negclip_tsv_parses():
-    records = read_negclip_tsv(str(REAL_NEGCLIP_TSV))
+    records = read_negclip_tsv(str(fixture("negclip/valid_neg_clip.tsv")))
     # 4,848 lines, but 8 quoted captions span two lines: 4,839 rows after the header.
     assert len(records) == 4839
     first = records[0]
@@ -702,10 +701,10 @@ def test_only_the_training_split_gets_neighbours(negclip_dir, tokenizer, transfo
     assert not {"neg_image", "neg_text"} & set(module.val_dataset[0])
 
 
-@pytest.mark.skipif(not REAL_NEGCLIP_TSV.is_file(), reason="the shared data folder is not beside the repo")
 def test_real_negclip_tsv_neighbours_are_rows_of_the_file():
-    records = read_negclip_tsv(str(REAL_NEGCLIP_TSV))
+    tsv = str(fixture("negclip/valid_neg_clip.tsv"))
+    records = read_negclip_tsv(tsv)
     assert records[0].neg_image_rows == (2973, 1515, 2235)
-    table, counts = build_neighbour_table(records, len(records), "error", str(REAL_NEGCLIP_TSV))
+    table, counts = build_neighbour_table(records, len(records), "error", tsv)
     assert (counts.out_of_range, counts.unavailable, counts.without_neighbour) == (0, 0, 0)
     assert len(table.anchor_rows) == len(records) and np.all(table.counts == 3)

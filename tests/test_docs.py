@@ -1,4 +1,4 @@
-"""The documentation cannot rot: README.md and docs/*.md link to files and headings that exist; every
+"""The documentation cannot rot: README.md, CONTRIBUTING.md and docs/*.md link to files and headings that exist; every
 `python -m` module they name exists and answers `--help`, with every option they give it; every `make` target,
 repository path and config key they name exists; docs/configuration.md is what the schema generates; every
 `docs/<page>.md#anchor` cited in code, configs and the Makefile names a real heading; and no file cites notes
@@ -93,7 +93,7 @@ def repository_files() -> List[Path]:
 
 
 def markdown_pages() -> List[Path]:
-    return [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+    return [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted(DOCS.glob("*.md"))]
 
 
 def links(page: Path) -> Iterator[Tuple[int, str]]:
@@ -189,7 +189,7 @@ def test_no_file_cites_the_private_notes():
 # ----- what the pages tell a reader to type ------------------------------------------------------------------------
 # Top-level folders whose files a page may name by path, and the repository's packages (`python -m` targets).
 PATH_ROOTS = ("core", "parsers", "modeling", "datamodules", "evaluation", "lightning_modules", "testkit", "slurm",
-              "perf", "study", "configs", "tests", "docs")
+              "perf", "gpucheck", "study", "configs", "tests", "docs")
 TOP_LEVEL_FILES = ("Makefile", "requirements.txt", "setup.cfg", "pyproject.toml", "README.md")
 # `python -m` modules of other projects that the pages may name.
 EXTERNAL_MODULES = {"pip", "venv", "pytest", "spacy"}

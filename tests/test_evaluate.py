@@ -16,6 +16,7 @@ from modeling.export import export_model
 from evaluation import evaluate, leakage
 from evaluation.benchmarks import BENCHMARKS, Benchmark, build_benchmark
 from evaluation.benchmarks.base import ImageRef, coco_id_from_name
+from testkit.fixtures import fixture
 from testkit.standin.sugarcrepe import write_sugarcrepe
 from testkit.standin.valse import write_valse
 from evaluation.benchmarks.sugarcrepe import SUBSETS
@@ -23,7 +24,6 @@ from evaluation.harness import read_outcomes, reaggregate, run_benchmark
 from evaluation.scorers import FunctionScorer
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data" / "sugarcrepe"
 TINY = "ViT-Tiny-16-64"
 
 
@@ -101,12 +101,11 @@ def test_set_passes_benchmark_options(tiny_run, data_root, tmp_path):
     assert len(results[0].outcomes) == 28
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared data folder is not beside the repo")
 def test_the_real_sugarcrepe_files_through_the_cli_with_stand_in_images(tiny_run, tmp_path):
     root = tmp_path / "sugarcrepe"
     root.mkdir()
     for subset in SUBSETS:
-        shutil.copy(SHARED / f"{subset}.json", root)
+        shutil.copy(fixture(f"sugarcrepe/{subset}.json"), root)
     names = {json.loads((root / f"{s}.json").read_text())[k]["filename"]
              for s in ("swap_obj",) for k in json.loads((root / f"{s}.json").read_text())}
     from testkit.standin.images import write_image

@@ -1,6 +1,6 @@
-"""The GPU check (`python -m perf.gpu`): its CPU mode end to end (the JSON and Markdown it writes), its refusal
-without CUDA, the device peak table, and the pieces it relies on (perf.step's cached-feature batch of the
-aligners, the scorer's device)."""
+"""The GPU throughput benchmark (`python -m perf.gpu`): its CPU mode end to end (the JSON and Markdown it writes),
+its refusal without CUDA, the device peak table, and the pieces it relies on (perf.step's cached-feature batch of
+the aligners, the scorer's device)."""
 from __future__ import annotations
 
 import json
@@ -39,7 +39,7 @@ class SlowClock:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One CPU-mode run without a time budget, through the GPU machine's path: caption records written
+    """One CPU-mode run without a time budget, through the path of a node without spaCy: caption records written
     beforehand, read at run time. perf.gpu reads a clock that makes the machine look arbitrarily slow: what the
     tests check must not depend on how fast the machine is (the step times are perf.step's own, still real)."""
     out = tmp_path_factory.mktemp("perf_gpu")

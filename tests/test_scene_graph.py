@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parsers.scene_graph import SceneGraph, SceneGraphParser, Span
+from testkit.fixtures import fixture
 
-GOLD = Path(__file__).resolve().parents[2] / "shared" / "data" / "parser-gold" / "dev.jsonl"
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -64,9 +64,8 @@ def test_micro_prf_counts_repeated_words_as_multisets():
 
 
 def test_gold_set_f1(parser):
-    if not GOLD.is_file():
-        pytest.skip(f"gold set not found at {GOLD} (shared data is checked out beside the repo)")
-    rows = [json.loads(line) for line in GOLD.read_text().splitlines() if line.strip()]
+    gold = fixture("parser-gold/dev.jsonl")
+    rows = [json.loads(line) for line in gold.read_text().splitlines() if line.strip()]
     graphs = parser.parse([row["caption"] for row in rows])
     scores = {}
     for kind in ("object", "attribute", "relation", "composition"):

@@ -349,17 +349,21 @@ def bundled_sweep(tmp_path: Path) -> Path:
 
 
 def write_record(sweep: sweep_module.Sweep, index: int, *overrides: str) -> dict:
-    """The bundle's record of run `index` as the study report writes it (scores left out), from its config with
-    `overrides` on top (another config than the run's, when given)."""
-    from lightning_modules.resume import config_digest, result_keys
-    from slurm.bundle import file_sha256, pretrained_weights, run_record_path, write_json_gz
+    """The bundle's record of run `index` written by the study's own writer (`study.bundle.run_record`, from the
+    config.yaml of a run folder; scores left out), from its config with `overrides` on top (another config than the
+    run's, when given). The sweep reads it through the file contract of core/run_records.py, without the study: these
+    tests check that reader against that writer."""
+    from core.run_records import run_record_path
+    from study.bundle import run_record
+    from study.records import write_json_gz
 
     run = sweep.runs[index]
     config = sweep_module.run_config(sweep_module.Run(run.name, run.configs, run.overrides + list(overrides),
                                                       run.choices), str(sweep.directory))
-    pretrained = config["model"]["pretrained"]
-    record = {"name": run.name, "config_digest": config_digest(config), "config": result_keys(config),
-              "backbone": {"path": pretrained, "sha256": file_sha256(pretrained_weights(pretrained))}, "splits": {}}
+    run_dir = Path(sweep.bundle).parent / "record_sources" / run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    record = run_record(run_dir, run.name, run.choices, scores={}, curves={}, errors=[])
     write_json_gz(run_record_path(Path(sweep.bundle), sweep.name, run.name), record)
     return record
 
@@ -424,7 +428,8 @@ def test_a_record_of_another_config_or_backbone_stops_the_sweep_before_anything_
     assert "tasks 0 (seed-0), 1 (seed-1): its backbone" in message and "not the backbone the bundled runs" in message
     assert "carry no record of those" in message
     # Where both exports record how they were trained, the refusal names what differed.
-    from slurm.bundle import run_record_path, write_json_gz
+    from core.run_records import run_record_path
+    from study.records import write_json_gz
 
     numerics = {"device": "cpu AVX512", "threads": 1, "processes": 1, "precision": "32-true", "torch": "2.5.1"}
     for index in (0, 1):

@@ -763,7 +763,7 @@ def bundled(tmp_path_factory):
 
 def test_the_bundle_holds_each_run_with_its_digest_backbone_and_outcomes(bundled):
     from lightning_modules.resume import config_digest, result_keys
-    from slurm.bundle import file_sha256, read_json_gz
+    from core.run_records import file_sha256, read_json_gz
 
     root, sweep, bundle, _ = bundled
     name = "method-macco_negatives-with_lr-0.0001_seed-1"  # a setting not chosen: its test scores are kept too
@@ -933,7 +933,7 @@ def test_a_later_sitting_reads_the_runs_whose_folders_are_gone_from_the_bundle(t
 def test_the_bundle_carries_the_backbone_and_a_later_sitting_continues_from_it(tmp_path):
     """Trained again on another CPU, a backbone has other bits: the bundle keeps the one its runs started from, and
     `study.restore` puts it back, checked by its sha256, so the sweep and the report go on with the same study."""
-    from slurm.bundle import file_sha256
+    from core.run_records import file_sha256
     from study import restore
 
     sweep = add_validity(tmp_path, make_sweep(tmp_path))
@@ -985,7 +985,8 @@ def test_a_validity_backbone_trained_again_keeps_the_bundles_scores(tmp_path):
 
 def test_two_bundles_are_compared_item_by_item(bundled, tmp_path, capsys):
     """`study.compare` counts the swap items whose outcome differs between two sittings' records of a run."""
-    from slurm.bundle import read_json_gz, write_json_gz
+    from core.run_records import read_json_gz
+    from study.records import write_json_gz
     from study import compare
 
     _, _, bundle, _ = bundled

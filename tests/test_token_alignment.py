@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import List, NamedTuple, Tuple
 
 import numpy as np
@@ -20,10 +19,10 @@ from open_clip.tokenizer import SimpleTokenizer
 
 from parsers.token_alignment import (align_tokens, caption_masks, first_bpe_match_mask, spans_to_token_mask,
                                      token_char_spans)
+from testkit.fixtures import fixture
 
 CONTEXT = 77
 KEPT = CONTEXT - 2  # BPE tokens that survive truncation (SOT first, EOT last)
-SWAP_ATT = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe" / "swap_att.json"
 # Module level rather than a fixture: hypothesis re-runs a test body many times within one fixture instance.
 TOKENIZER = open_clip.get_tokenizer("ViT-B-32")
 
@@ -262,9 +261,8 @@ def test_tokenizer_without_lowercasing_and_unsupported_ones():
 
 
 def test_every_word_of_real_captions_is_recovered_from_its_tokens():
-    if not SWAP_ATT.exists():
-        pytest.skip(f"{SWAP_ATT} not present")
-    captions = [item["caption"] for item in json.loads(SWAP_ATT.read_text()).values()][:200]
+    swap_att = fixture("sugarcrepe/swap_att.json")
+    captions = [item["caption"] for item in json.loads(swap_att.read_text()).values()][:200]
     for caption in captions:
         spans = token_char_spans(caption, TOKENIZER)
         sequence = TOKENIZER([caption])[0].tolist()

@@ -35,7 +35,7 @@ OPPOSITE_RELATION: dict[str, str] = {
 # the converse, which slot is on the left depends on the slot *and* the relation word (an exclusive-or), and a text
 # tower trained contrastively against a perfect image side stays at chance on relation direction for 1,500 steps;
 # one-way, the same tower is at 69, 73, 78% after 100, 200, 300 steps
-# (docs/study.md#what-makes-relation-direction-learnable).
+# (docs/study-history.md#what-makes-relation-direction-learnable).
 CAPTION_RELATIONS: dict[str, tuple[str, ...]] = {
     "both": RELATIONS,
     "one-way": ("left of", "above"),

@@ -29,30 +29,12 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 import numpy as np
 
+# ImageRef lives with the image reading (images.py imports nothing of this package), so this module can import it
+# without a circle; the benchmarks import it from here as before.
+from evaluation.benchmarks.images import ImageRef, image_file_name
 from evaluation.benchmarks.sources import DataSource, Published
 
 Outcome = Dict[str, object]
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """Where an image is: a file, optionally cropped, or a cell of a container file.
-
-    Attributes:
-        path: the image file (a `.npy` file is a BGR video frame), or the container (a parquet file or a zip
-            archive) when `member` is set.
-        box: optional crop `(x, y, w, h)` in pixels, applied after decoding (ARO's `bbox_*` fields).
-        member: for a parquet container, `"<column>:<row>"` whose cell holds `{"bytes", "path"}` (the
-            Hugging Face image feature); for a zip archive, the member's name.
-    """
-
-    path: str
-    box: Optional[Tuple[float, float, float, float]] = None
-    member: Optional[str] = None
-
-    @property
-    def file(self) -> Path:
-        return Path(self.path)
 
 
 @dataclass
@@ -345,19 +327,6 @@ def visual_genome_id_from_name(path: str, bare_ids: bool = False) -> Optional[in
         return int(v7w.group(1))
     bare = _VG_BARE_NAME.fullmatch(pure.name)
     return int(bare.group(1)) if bare and (bare_ids or pure.parent.name in _VG_FOLDERS) else None
-
-
-def image_file_name(ref: ImageRef) -> str:
-    """The name image `ref` was published under: its path, or for an image embedded in a parquet file the file
-    name recorded with it (the Hugging Face image feature's `path`; the container's path when none is)."""
-    if ref.member is None:
-        return ref.path
-    if ref.path.lower().endswith(".zip"):
-        return ref.member
-    from evaluation.benchmarks.images import parquet_image_names  # images.py imports this module
-
-    column, _, row = ref.member.rpartition(":")
-    return parquet_image_names(ref.path, column)[int(row)] or ref.path
 
 
 def require(condition: bool, message: str) -> None:

@@ -29,7 +29,7 @@ first folder of `image0` as third-party loaders of the file do; the authors repo
 
 Images (`EqBenALL.__getitem__` with the example's `process_img_pixel` / `process_img_npy`): `<images>/<path>`;
 `eqbenyoucook2` frames are numpy arrays, read as `Image.fromarray(np.load(path)[:, :, [2, 1, 0]], "RGB")` (stored
-BGR, converted to RGB: `images.read_npy_frame`), every other source with `Image.open(path).convert("RGB")`. A
+BGR, converted to RGB: `parsers.images.read_npy_frame`), every other source with `Image.open(path).convert("RGB")`. A
 youcook2 path must end in `.npy` and no other may, so that the image decoder, which goes by the suffix, takes the same
 branch as the official loader, which goes by the source.
 

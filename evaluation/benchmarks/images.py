@@ -1,18 +1,43 @@
-"""Decoding a benchmark image from an `ImageRef`: a file (a `.npy` file is a BGR video frame), a crop of a file, or a
-cell of a parquet file."""
+"""Where a benchmark image is (`ImageRef`) and how it is read: a file (a `.npy` file is a BGR video frame), a crop of
+a file, a member of a zip archive or a cell of a parquet file.
+
+The pixels are decoded by `parsers.images`, the project's one decoder (16-bit grayscale is scaled, not clipped), and
+the crop is taken after decoding. This module imports no other module of the benchmarks package, so every one of
+them (`base` included) can import it (setup.cfg's `evaluation.benchmarks` contract).
+"""
 from __future__ import annotations
 
-import io
 import os
 import zipfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
-import numpy as np
 from PIL import Image
 
-from evaluation.benchmarks.base import ImageRef
+from parsers.images import IMAGE_ERRORS, read_npy_frame, read_rgb_bytes, read_rgb_file
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where an image is: a file, optionally cropped, or a cell of a container file.
+
+    Attributes:
+        path: the image file (a `.npy` file is a BGR video frame), or the container (a parquet file or a zip
+            archive) when `member` is set.
+        box: optional crop `(x, y, w, h)` in pixels, applied after decoding (ARO's `bbox_*` fields).
+        member: for a parquet container, `"<column>:<row>"` whose cell holds `{"bytes", "path"}` (the
+            Hugging Face image feature); for a zip archive, the member's name.
+    """
+
+    path: str
+    box: Optional[Tuple[float, float, float, float]] = None
+    member: Optional[str] = None
+
+    @property
+    def file(self) -> Path:
+        return Path(self.path)
 
 
 class UnreadableImageError(OSError):
@@ -20,10 +45,10 @@ class UnreadableImageError(OSError):
 
 
 def load_image(ref: ImageRef) -> Image.Image:
-    """The RGB image `ref` points at, cropped to `ref.box` when it has one."""
+    """The 8-bit RGB image `ref` points at, cropped to `ref.box` when it has one."""
     try:
         return _decode(ref)
-    except OSError as err:  # PIL's "cannot identify image file", truncated data
+    except IMAGE_ERRORS as err:  # PIL's "cannot identify image file", truncated data, a float image
         where = ref.path if ref.member is None else f"{ref.path} ({ref.member})"
         raise UnreadableImageError(f"cannot read benchmark image {where}: {err}; copy it again from the "
                                    f"benchmark's release") from err
@@ -31,29 +56,26 @@ def load_image(ref: ImageRef) -> Image.Image:
 
 def _decode(ref: ImageRef) -> Image.Image:
     if ref.member is not None:
-        image = Image.open(io.BytesIO(member_bytes(ref.path, ref.member)))
+        rgb = read_rgb_bytes(member_bytes(ref.path, ref.member))
     elif ref.path.endswith(".npy"):
-        image = read_npy_frame(ref.path)
+        rgb = read_npy_frame(ref.path)
     else:
-        image = Image.open(ref.path)
-    with image:  # closed at once: an evaluation opens thousands of files
-        rgb = image.convert("RGB")
+        rgb = read_rgb_file(ref.path)
     if ref.box is not None:
         x, y, w, h = ref.box
         rgb = rgb.crop((x, y, x + w, y + h))  # PIL rounds float boxes, as the ARO reference does
     return rgb
 
 
-def read_npy_frame(path: str | Path) -> Image.Image:
-    """A video frame stored as a numpy array [H, W, 3] of uint8 in BGR order (EqBen's YouCook2 frames, read as its
-    `process_img_npy` reads them), as an RGB image."""
-    try:
-        array = np.load(path)
-    except (ValueError, EOFError) as error:  # not an .npy file, a pickled object array, a truncated file
-        raise OSError(f"{path}: not a numpy array file ({error})") from error
-    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
-        raise OSError(f"{path}: expected a [H, W, 3] uint8 array, found {array.dtype} {array.shape}")
-    return Image.fromarray(np.ascontiguousarray(array[:, :, [2, 1, 0]]), "RGB")
+def image_file_name(ref: ImageRef) -> str:
+    """The name image `ref` was published under: its path, or for an image embedded in a parquet file the file
+    name recorded with it (the Hugging Face image feature's `path`; the container's path when none is)."""
+    if ref.member is None:
+        return ref.path
+    if ref.path.lower().endswith(".zip"):
+        return ref.member
+    column, _, row = ref.member.rpartition(":")
+    return parquet_image_names(ref.path, column)[int(row)] or ref.path
 
 
 def member_bytes(path: str, member: str) -> bytes:

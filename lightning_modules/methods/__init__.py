@@ -9,8 +9,9 @@
 
 `REGISTRY` pairs each method name with its option class (`options.py`), its module class (imported on first
 use: the method files import Lightning and open_clip, which config checks do not need), its paper recipe and its
-study overlay. docs/adding-a-method.md is the checklist; tests/test_registry.py enforces it. Losses shared by
-several methods are in `modeling/losses.py` and `modular_losses.py`.
+study overlay. docs/adding-a-method.md is the checklist of every place a new method goes (tests/test_registry.py
+enforces the entry's parts, tests/test_adding_a_method.py that the page names every place the tests read). Losses
+shared by several methods are in `modeling/losses.py` and `modular_losses.py`.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ joint dimensions; image embeddings are compared with a caption after masking by 
 The mask network only trains itself: it reads the text features detached, so no gradient of the mask reaches
 the text encoder. Inference is plain unmasked CLIP: the export (`self.clip`) leaves the mask network out.
 
-What is the official code's (SmartCLIP as carried by reyuyu/SAID; fixture `shared/data/parity/smartclip/`) and
+What is the official code's (SmartCLIP as carried by reyuyu/SAID; fixture `tests/data/parity/smartclip/`) and
 what is ours:
 - mask network [official]: one CLIP residual attention block (QuickGELU, CLIP's initialisation, width // 64
   heads) attending over **every** context position, padding after EOS included (no attention mask), then

@@ -12,16 +12,15 @@ order, as the release stores them). Three layouts:
 """
 from __future__ import annotations
 
-import io
 import json
 import random
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from evaluation.benchmarks.eqben import (FULL_ANNOTATIONS, NPY_SOURCE, PAIRS, PRIVATE_INDEX, PRIVATE_INFO, SOURCES,
                                          SUBSET_ANNOTATIONS)
+from parsers.images import read_rgb_bytes
 from testkit.standin.images import encoded_pool
 from testkit.standin.two_by_two import swapped_captions
 
@@ -42,7 +41,7 @@ def _write_images(folder: Path, seed: int) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             data = pool[(k + SOURCES.index(source)) % POOL]
             if source == NPY_SOURCE:
-                rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+                rgb = np.asarray(read_rgb_bytes(data))
                 np.save(path, np.ascontiguousarray(rgb[:, :, ::-1]))  # stored BGR
             else:
                 path.write_bytes(data)

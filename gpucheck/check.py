@@ -1,18 +1,18 @@
-"""`python -m perf.gpu_check`: the GPU check, the real training path on CUDA and the throughput table, in one command.
+"""`python -m gpucheck`: the GPU node check: the real training path on CUDA and its throughput, in one command.
 
-    make gpu-prepare     # where spaCy and a package index are: the bundle (.gpu/: wheels, world, caches, records)
-    make gpu-check       # on the GPU machine: python3 -m perf.gpu_check --bundle .gpu --out runs/gpu_check
-    python -m perf.gpu_check --device cpu --bundle DIR --work DIR --out PATH   # the CPU mode, tiny (the tests)
+    make gpu-prepare     # where a package index and spaCy are: the bundle (.gpu/: wheels, world, caches, records)
+    make gpu-check       # on the GPU node: python3 -m gpucheck --bundle .gpu --out runs/gpu_check
+    python -m gpucheck --device cpu --bundle DIR --work DIR --out PATH   # the CPU mode, tiny (the tests)
 
 Four stages run in order (docs/gpu.md), each in its own process group under its own hard timeout
-(`perf.gpu_stages.CheckSettings.stage_timeout_s`: 460 s in all on a GPU), killed with its children when it runs
+(`gpucheck.stages.CheckSettings.stage_timeout_s`: 460 s in all on a GPU), killed with its children when it runs
 over: environment (wheels installed, versions), fit (`python -m lightning_modules.fit` of every method on the
 device, a resume, an export, an evaluation), numerics (one step of every method on the CPU against the device) and
-throughput (`python -m perf.gpu --sections training`: samples/s, peak memory, MFU). The results so far are
-rewritten whole after every stage and, while one runs, each time it reports a finished part: PATH.json and PATH.md,
-and every stage's output in PATH.log. So a check killed at any point leaves what had finished. `--stages` reruns
-some stages into the same PATH.json, keeping the others' results (with when each ran). The exit status is 0 when
-every stage that ran passed.
+throughput (the timing benchmark `python -m perf.gpu --sections training`: samples/s, peak memory, MFU). The
+results so far are rewritten whole after every stage and, while one runs, each time it reports a finished part:
+PATH.json and PATH.md, and every stage's output in PATH.log. So a check killed at any point leaves what had
+finished. `--stages` reruns some stages into the same PATH.json, keeping the others' results (with when each ran).
+The exit status is 0 when every stage that ran passed.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Sequence
 
 from core.cli import add_output, output_paths
 from core.files import atomic_write_text
-from perf import gpu_bundle
-from perf.gpu_stages import REPO_ROOT, RESUMED, SETTINGS, STAGES, CheckSettings
+from gpucheck import bundle as gpu_bundle
+from gpucheck.stages import REPO_ROOT, RESUMED, SETTINGS, STAGES, CheckSettings
 
 SCHEMA = "gpu_check/1"
 DEFAULT_OUT = Path("runs/gpu_check")
@@ -73,7 +73,7 @@ def stage_command(name: str, settings: CheckSettings, bundle: Path, work: Path, 
         records = bundle / gpu_bundle.RECORDS
         return [sys.executable, "-m", "perf.gpu", "--sections", "training", "--out", str(document.with_suffix("")),
                 *(["--records", str(records)] if records.is_file() else []), *settings.throughput]
-    return [sys.executable, "-m", "perf.gpu_stages", name, "--device", settings.device, "--bundle", str(bundle),
+    return [sys.executable, "-m", "gpucheck.stages", name, "--device", settings.device, "--bundle", str(bundle),
             "--work", str(work), "--out", str(document)]
 
 
@@ -225,7 +225,7 @@ def number(value, form: str) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# GPU check (`python -m perf.gpu_check --device {result['device']}`)", "",
+    lines = [f"# GPU node check (`python -m gpucheck --device {result['device']}`)", "",
              f"Started {result['started']}" + (f", finished {result['finished']}" if result.get("finished") else
                                                " (not finished)") + f". Bundle {result['bundle']}.", "",
              "| stage | status | seconds | timeout (s) | started |", "|---|---|---:|---:|---|"]
@@ -312,7 +312,3 @@ def throughput_section(document: dict) -> List[str]:
 
 SECTIONS = {"environment": environment_section, "fit": fit_section, "numerics": numerics_section,
             "throughput": throughput_section}
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

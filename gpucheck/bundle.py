@@ -1,18 +1,18 @@
-"""`python -m perf.gpu_bundle --out .gpu`: what the GPU check needs on a machine without spaCy or a package index.
+"""`python -m gpucheck.bundle --out .gpu`: what the GPU node check needs on a node without a package index or spaCy.
 
-`make gpu-prepare` downloads the wheels of the packages such a machine lacks into OUT/whl and then runs this,
-which writes, beside them:
+`make gpu-prepare` downloads the wheels of the packages such a node lacks into OUT/whl and then runs this, where an
+index and spaCy are, which writes beside them:
 
     shapes/        a small shapes world (`datamodules.shapes`): what the check's fits train on and evaluate
     cache/         its preprocessing cache for the demo configs (`datamodules.preprocess`: parsed here, where
                    spaCy is; fit finds it there from its stored settings, without spaCy)
-    records.json   the caption records of perf.gpu's training batch (`perf.gpu --records`)
+    records.json   the caption records of perf.gpu's training batch (`python -m perf.gpu --write-records`)
     manifest.json  the commit, the date, every part's size, and the total with the repository's tracked files,
                    which travel with it
 
-and refuses (exit status 1, after writing the manifest) a total over `--limit-mib`, the most a copy to the GPU
-machine may hold. There, `python -m perf.gpu_check` installs the wheels into OUT/site (`install_wheels`) and puts
-that folder on every stage's PYTHONPATH.
+With `--max-mib N` it refuses (exit status 1, after writing the manifest) a total over N MiB, for a copy to the node
+that may hold no more; by default it only reports the size. On the node, `python -m gpucheck` installs the wheels
+into OUT/site (`install_wheels`) and puts that folder on every stage's PYTHONPATH.
 """
 from __future__ import annotations
 
@@ -33,17 +33,17 @@ WORLD, CACHE, RECORDS, MANIFEST, WHEELS, SITE = "shapes", "cache", "records.json
 # The demo's preprocessing settings (grounder "annotations", the world's scene graphs): every demo config that
 # reads masks shares them, so one cache serves the check's fits.
 CACHE_CONFIG = REPO_ROOT / "configs" / "demo" / "pretrain.yaml"
-DEFAULT_LIMIT_MIB = 64.0
 MIB = 2 ** 20
-# The GPU check's world: 512 training images (1,024 captions, 16 steps of 64 per epoch), 64 per evaluation split.
+# The check's world: 512 training images (1,024 captions, 16 steps of 64 per epoch), 64 per evaluation split.
 GPU_WORLD = {"n_train": 512, "n_val": 64, "image_size": 64, "seed": 0}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output(parser, "folder", default=DEFAULT_BUNDLE, help=f"the bundle's folder (default {DEFAULT_BUNDLE})")
-    parser.add_argument("--limit-mib", type=float, default=DEFAULT_LIMIT_MIB,
-                        help="the most the bundle and the tracked files may hold together (MiB)")
+    parser.add_argument("--max-mib", type=float, default=None,
+                        help="refuse a bundle that holds more than this together with the tracked files (MiB; "
+                             "default: no limit, the size is reported)")
     parser.add_argument("--record-count", type=int, default=256, help="caption records for perf.gpu")
     return parser.parse_args(argv)
 
@@ -72,9 +72,10 @@ def write_cache(bundle: Path) -> None:
 
 
 def write_records(bundle: Path, count: int) -> None:
-    from perf.gpu import write_records as write_batch_records
-
-    write_batch_records(bundle / RECORDS, count)
+    """The throughput batch's caption records, by the timing benchmark's own command (the check runs perf.gpu as a
+    command and never imports it)."""
+    subprocess.run([sys.executable, "-m", "perf.gpu", "--write-records", "--record-count", str(count), "--out",
+                    str((bundle / RECORDS).resolve())], cwd=REPO_ROOT, check=True)
 
 
 def folder_bytes(path: Path) -> int:
@@ -100,7 +101,7 @@ def commit() -> Dict[str, object]:
     return {"commit": head.stdout.strip(), "uncommitted_changes": bool(status.stdout.strip())}
 
 
-def manifest(bundle: Path, limit_mib: float) -> dict:
+def manifest(bundle: Path, max_mib: Optional[float]) -> dict:
     parts = {name: folder_bytes(bundle / name) if (bundle / name).is_dir() else
              ((bundle / name).stat().st_size if (bundle / name).is_file() else 0)
              for name in (WORLD, CACHE, RECORDS, WHEELS)}
@@ -109,22 +110,22 @@ def manifest(bundle: Path, limit_mib: float) -> dict:
     total = sum(parts.values()) + (tracked or 0)
     return {**commit(), "written": datetime.datetime.now().isoformat(timespec="seconds"),
             "parts_bytes": parts, "wheels": wheels, "tracked_files_bytes": tracked, "total_bytes": total,
-            "total_mib": total / MIB, "limit_mib": limit_mib, "within_limit": total <= limit_mib * MIB}
+            "total_mib": total / MIB, "max_mib": max_mib, "within_limit": max_mib is None or total <= max_mib * MIB}
 
 
 def prepare(bundle: Path, world: Dict[str, int] = GPU_WORLD, record_count: int = 256,
-            limit_mib: float = DEFAULT_LIMIT_MIB) -> dict:
+            max_mib: Optional[float] = None) -> dict:
     """Write the world, its cache, perf.gpu's records and the manifest into `bundle`; return the manifest."""
     bundle.mkdir(parents=True, exist_ok=True)
     write_world(bundle, world)
     write_cache(bundle)
     write_records(bundle, record_count)
-    written = manifest(bundle, limit_mib)
+    written = manifest(bundle, max_mib)
     atomic_write_text(bundle / MANIFEST, json.dumps(written, indent=1))
     return written
 
 
-# ----- on the GPU machine ---------------------------------------------------------------------------------------
+# ----- on the node ---------------------------------------------------------------------------------------------
 def wheel_files(bundle: Path) -> List[Path]:
     return sorted((bundle / WHEELS).glob("*.whl")) if (bundle / WHEELS).is_dir() else []
 
@@ -147,13 +148,13 @@ def install_wheels(bundle: Path, python: str = sys.executable) -> Optional[Path]
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    written = prepare(args.out, record_count=args.record_count, limit_mib=args.limit_mib)
+    written = prepare(args.out, record_count=args.record_count, max_mib=args.max_mib)
     print(json.dumps(written["parts_bytes"]), flush=True)
-    print(f"{args.out}: {written['total_mib']:.1f} MiB with the tracked files, limit {args.limit_mib:.0f} MiB",
-          flush=True)
+    limit = "no limit" if args.max_mib is None else f"limit {args.max_mib:g} MiB"
+    print(f"{args.out}: {written['total_mib']:.1f} MiB with the tracked files ({limit})", flush=True)
     if not written["within_limit"]:
-        raise SystemExit(f"{args.out} and the tracked files hold {written['total_mib']:.1f} MiB, over the "
-                         f"{args.limit_mib:.0f} MiB a copy to the GPU machine may hold: carry fewer wheels")
+        raise SystemExit(f"{args.out} and the tracked files hold {written['total_mib']:.1f} MiB, over --max-mib "
+                         f"{args.max_mib:g}: carry fewer wheels, or a smaller world")
 
 
 if __name__ == "__main__":

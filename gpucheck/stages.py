@@ -1,10 +1,10 @@
-"""The GPU check's stages: `python -m perf.gpu_stages STAGE --device D --bundle B --work W --out STAGE.json`.
+"""The GPU node check's stages: `python -m gpucheck.stages STAGE --device D --bundle B --work W --out STAGE.json`.
 
-`python -m perf.gpu_check` runs each in its own process under its own hard timeout (docs/gpu.md). A stage writes
+`python -m gpucheck` runs each in its own process under its own hard timeout (docs/gpu.md). A stage writes
 its result document whole (atomically) every time one of its parts finishes, so a stage killed part-way leaves what
 it finished; its exit status is 0 when every part passed, 1 otherwise (the document says which).
 
-environment  the bundle's wheels installed (`perf.gpu_bundle.install_wheels`), then versions: Python, torch, CUDA,
+environment  the bundle's wheels installed (`gpucheck.bundle.install_wheels`), then versions: Python, torch, CUDA,
              cuDNN, the GPU and its driver, every package the code imports (and from where), whether spaCy is
              there (it need not be), the commit, the bundle's manifest.
 fit          the real `python -m lightning_modules.fit` of every method (`FIT_RUNS`: the demo configs) on the
@@ -14,7 +14,7 @@ fit          the real `python -m lightning_modules.fit` of every method (`FIT_RU
 numerics     one training step of every method from the same weights and the same host batch, on the CPU in
              float32 and on the device in float32 (TF32 off) and bf16-mixed: the loss terms and the gradients
              compared, and the device reads the float32 step makes counted (torch.cuda.set_sync_debug_mode).
-(The throughput stage is `python -m perf.gpu --sections training` itself.)
+(The throughput stage is the timing benchmark `python -m perf.gpu --sections training` itself.)
 """
 from __future__ import annotations
 
@@ -39,14 +39,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from core.cli import add_output
 from core.files import atomic_write_text
-from perf import gpu_bundle
+from gpucheck import bundle as gpu_bundle
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("environment", "fit", "numerics", "throughput")
 # Every registered method, as the demo trains it on the shapes world (CAE twice: its attention attribution and a
 # gradient-based one, whose double backward is the GPU path most likely to break). The attribution monitor parses
-# its probe captions with spaCy, which the GPU machine lacks: off. The aligners encode the frozen features on the
-# fly (no feature cache travels).
+# its probe captions with spaCy, which the node need not have: off. The aligners encode the frozen features on the
+# fly (no feature cache travels in the bundle).
 FIT_RUNS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "clip_ft": ("configs/demo/pretrain.yaml", ()),
     "negclip": ("configs/demo/clip_ft.yaml", ()),
@@ -86,8 +86,8 @@ class CheckSettings:
     throughput: Tuple[str, ...] = ()  # perf.gpu's arguments
 
 
-# The GPU check: 460 s of stage timeouts in all (the whole check stays within 8 minutes). perf.gpu paces its rows
-# to its own budget, which leaves its start (imports, the matmul rates) inside the stage's timeout.
+# On a GPU: 460 s of stage timeouts in all (the whole check stays within 8 minutes). perf.gpu paces its rows to its
+# own budget, which leaves its start (imports, the matmul rates) inside the stage's timeout.
 GPU_CHECK = CheckSettings(
     device="cuda", accelerator="gpu", precision="bf16-mixed", model="ViT-Shapes-16-64", batch_size=64, steps=30,
     resume_steps=40, parallel_fits=4, workers=2, part_timeout_s=120,

@@ -1,8 +1,8 @@
-"""A results bundle: the finished runs of a sweep kept as data (gzip JSON, standard library only).
+"""The study's results bundle as files: the finished runs of a study kept as data (gzip JSON, standard library only).
 
-`python -m study --sweep DIR --bundle DIR` writes it (`study/bundle.py` builds its records); `slurm.sweep` reads
-it to skip every run whose results it already holds. Its layout, which `<bundle>/README.md` describes for readers
-without this code:
+`python -m study --sweep DIR --bundle DIR` writes it (`study/bundle.py` builds its records); `python -m study.page`
+reads it back; `slurm.sweep` reads its run records to skip every run whose results it already holds. Its layout,
+which `<bundle>/README.md` describes for readers without this code:
 
     <bundle>/README.md
     <bundle>/<sweep name>/sweep.json            the grid, the study settings, the world's checksums
@@ -14,9 +14,11 @@ without this code:
 A run record holds `config_digest` (`lightning_modules.resume.config_digest` of the run's resolved config) and
 `config` (the keys that digest covers), `backbone` ({"path", "sha256"} of the export the run started from:
 `model.pretrained`'s weights file, and the `numerics` it was trained with when its export records them), the
-run's own `export_sha256`, its validation `curves` and its per-split scores with their per-item outcomes. A sweep
-skips a run whose record matches its config digest and backbone checksum, and refuses to go on when either differs
-(`record_problems`): the bundle then belongs to another study.
+run's own `export_sha256`, its validation `curves` and its per-split scores with their per-item outcomes. The run
+records' place and the fields a sweep checks (config digest, backbone sha256 and numerics) are the file contract
+of `core/run_records.py`, which the sweep reads without importing the study: a sweep skips a run whose record
+matches its config digest and backbone checksum, and refuses to go on when either differs (the bundle then belongs
+to another study).
 
 A backbone's exact bits depend on the machine that trained it (CPU generation, threads, torch), so one trained again
 in a later sitting on another machine is another backbone. The bundle therefore carries the backbone its runs started
@@ -29,7 +31,6 @@ unchanged file and a commit of the bundle shows only what changed.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import os
 import shutil
@@ -37,20 +38,17 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from core.files import atomic_write_bytes
+from core.run_records import RECORD_SUFFIX, backbone_weights, export_weights, file_sha256, read_json_gz
 
 FORMAT = 1
 README = "README.md"
 SWEEP_DOCUMENT = "sweep.json"
 REPORT_DOCUMENT = "report.json"
-RUNS_DIR = "runs"
 FROZEN_DIR = "frozen"
-RECORD_SUFFIX = ".json.gz"
 BACKBONES_DIR = "backbones"
 CARRIED_SOURCE = "source.json"  # where a carried backbone came from: {"path", "weights", "sha256", "folder"}
 CARRIED_SUFFIX = ".gz"
-EXPORT_METADATA = "model.json"  # modeling.export's names, read here without importing torch
 EXPORT_HF_FOLDER = "hf"  # the export's Hugging Face copy of the weights (modeling.export.HF_DIR)
-DEFAULT_WEIGHTS = "open_clip.pt"
 
 
 # ----- files ----------------------------------------------------------------------------------------------------
@@ -65,30 +63,11 @@ def write_json_gz(path: Path, document: object) -> None:
     atomic_write_bytes(path, gzip.compress(canonical_json(document), compresslevel=9, mtime=0))
 
 
-def read_json_gz(path: Path) -> Any:
-    return json.loads(gzip.decompress(Path(path).read_bytes()).decode("utf-8"))
-
-
 def write_json(path: Path, document: object) -> None:
     """Plain JSON for the small documents (sorted keys, indented: readable in a diff)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, (json.dumps(document, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
                        .encode("utf-8"))
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def export_weights(export_dir: Path) -> Path:
-    """The weights file of a model export (`model.json`'s "weights", else open_clip.pt)."""
-    metadata = Path(export_dir) / EXPORT_METADATA
-    name = json.loads(metadata.read_text()).get("weights", DEFAULT_WEIGHTS) if metadata.is_file() else DEFAULT_WEIGHTS
-    return Path(export_dir) / name
 
 
 def weights_sha256(export_dir: Path) -> Optional[str]:
@@ -97,33 +76,9 @@ def weights_sha256(export_dir: Path) -> Optional[str]:
     return file_sha256(weights) if weights.is_file() else None
 
 
-def export_numerics(weights: Optional[Path]) -> Optional[dict]:
-    """The `numerics` an export's model.json records beside `weights` (device, threads, processes, precision,
-    torch: lightning_modules/callbacks.py), or None (no export folder, or one written before they were kept)."""
-    metadata = Path(weights).parent / EXPORT_METADATA if weights is not None else None
-    if metadata is None or not metadata.is_file():
-        return None
-    return json.loads(metadata.read_text()).get("numerics")
-
-
-def pretrained_weights(pretrained: Optional[str]) -> Optional[Path]:
-    """The local weights file a run starts from (`model.pretrained`): an export folder's weights, or the file
-    named; None for no weights or a hub tag such as `openai` (a name without a folder)."""
-    if not pretrained:
-        return None
-    path = Path(pretrained)
-    if path.is_dir():
-        return export_weights(path)
-    return path if path.suffix or len(path.parts) > 1 else None
-
-
 # ----- where things are -----------------------------------------------------------------------------------------
 def sweep_folder(bundle: Path, sweep_name: str) -> Path:
     return Path(bundle) / sweep_name
-
-
-def run_record_path(bundle: Path, sweep_name: str, run_name: str) -> Path:
-    return sweep_folder(bundle, sweep_name) / RUNS_DIR / f"{run_name}{RECORD_SUFFIX}"
 
 
 def frozen_record_path(bundle: Path, sweep_name: str, label: str) -> Path:
@@ -135,51 +90,6 @@ def read_records(folder: Path) -> Dict[str, dict]:
     if not folder.is_dir():
         return {}
     return {path.name[:-len(RECORD_SUFFIX)]: read_json_gz(path) for path in sorted(folder.glob(f"*{RECORD_SUFFIX}"))}
-
-
-def read_run_record(bundle: Path, sweep_name: str, run_name: str) -> Optional[dict]:
-    path = run_record_path(bundle, sweep_name, run_name)
-    return read_json_gz(path) if path.is_file() else None
-
-
-# ----- is it the same run? --------------------------------------------------------------------------------------
-def config_differences(stored: Mapping[str, Any], now: Mapping[str, Any], limit: int = 8) -> List[str]:
-    """`key: stored -> now` for each key whose value differs (a key on one side only reads `<absent>`)."""
-    absent = "<absent>"
-    keys = [key for key in sorted(set(stored) | set(now)) if stored.get(key, absent) != now.get(key, absent)]
-    lines = [f"{key}: {stored.get(key, absent)!r} (bundle) -> {now.get(key, absent)!r} (now)" for key in keys[:limit]]
-    return lines + ([f"... and {len(keys) - limit} more keys"] if len(keys) > limit else [])
-
-
-def record_problems(record: Mapping[str, Any], digest: str, config: Mapping[str, Any],
-                    backbone_sha256: Optional[str], backbone_numerics: Optional[Mapping[str, Any]] = None) -> List[str]:
-    """Why a run's stored record does not belong to the run as configured now ([] when it does): another config
-    (the differing keys named) or another backbone (its checksum differs: the study was not continued from the
-    same backbone). A backbone retrained from the same config differs when it was trained on another device, CPU
-    (instruction set or generation), thread count or torch version; where both sides recorded these, the
-    difference is named."""
-    problems = []
-    if record.get("config_digest") != digest:
-        differences = config_differences(record.get("config") or {}, config)
-        problems.append("its config differs from the bundle's record: "
-                        + ("; ".join(differences) if differences else "same keys, another digest"))
-    stored = record.get("backbone") or {}
-    if stored.get("sha256") != backbone_sha256:
-        problems.append(f"its backbone {stored.get('path')} has sha256 {backbone_sha256} here, and "
-                        f"{stored.get('sha256')} in the bundle: not the backbone the bundled runs started from"
-                        + numerics_difference(stored.get("numerics"), backbone_numerics))
-    return problems
-
-
-def numerics_difference(stored: Optional[Mapping[str, Any]], now: Optional[Mapping[str, Any]]) -> str:
-    """How the two backbones' training differed numerically, as a clause for `record_problems`."""
-    if not stored or not now:
-        return (" (a backbone trained again gives the same bits only on the same device, CPU generation, "
-                "thread count and torch version; the bundle's backbones carry no record of those)")
-    differences = config_differences(stored, now)
-    if not differences:
-        return " (trained with the same recorded numerics: its config, data or other libraries differ)"
-    return " (trained differently: " + "; ".join(differences) + ")"
 
 
 # ----- the backbone the runs started from -------------------------------------------------------------------------
@@ -200,7 +110,7 @@ def carry_backbone(bundle: Path, sweep_name: str, backbone: Optional[Mapping[str
     folder = carried_folder(bundle, sweep_name, backbone["sha256"])
     if (folder / CARRIED_SOURCE).is_file():
         return folder
-    weights = pretrained_weights(backbone["path"])
+    weights = backbone_weights(backbone["path"])
     if weights is None or not weights.is_file() or file_sha256(weights) != backbone["sha256"]:
         return None
     is_folder = Path(backbone["path"]).is_dir()

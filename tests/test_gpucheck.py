@@ -1,4 +1,4 @@
-"""The GPU check (`python -m perf.gpu_check`) in its CPU mode: every stage end to end from a prepared bundle, what a
+"""The GPU node check (`python -m gpucheck`) in its CPU mode: every stage end to end from a prepared bundle, what a
 kill part-way leaves, a stage cut off by its timeout, and the bundle's preparation and size report. No assertion
 depends on how fast the machine is: a timeout here only guards against a hang, or cuts off a stage that waits
 forever."""
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from perf import gpu_bundle, gpu_check, gpu_stages
+from gpucheck import bundle as gpu_bundle
+from gpucheck import check as gpu_check
+from gpucheck import stages as gpu_stages
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_WORLD = {"n_train": 16, "n_val": 8, "image_size": 64, "seed": 0}
@@ -30,7 +32,7 @@ def bundle(tmp_path_factory) -> Path:
 
 
 def check_command(bundle: Path, tmp: Path, *extra: str) -> list:
-    return [sys.executable, "-m", "perf.gpu_check", "--device", "cpu", "--bundle", str(bundle), "--work",
+    return [sys.executable, "-m", "gpucheck", "--device", "cpu", "--bundle", str(bundle), "--work",
             str(tmp / "work"), "--out", str(tmp / "out" / "check"), *extra]
 
 
@@ -200,10 +202,11 @@ def test_the_bundle_reports_its_size_and_refuses_one_over_the_limit(bundle, tmp_
     written = json.loads((bundle / gpu_bundle.MANIFEST).read_text())
     assert written["parts_bytes"][gpu_bundle.WORLD] > 0 and written["parts_bytes"][gpu_bundle.CACHE] > 0
     assert written["total_bytes"] == sum(written["parts_bytes"].values()) + written["tracked_files_bytes"]
-    assert written["within_limit"] and len(written["commit"]) == 40
+    assert written["within_limit"] and written["max_mib"] is None and len(written["commit"]) == 40
+    assert json.loads((bundle / gpu_bundle.RECORDS).read_text())["captions"] == 8  # perf.gpu's, by its command
     copy = tmp_path / "bundle"
     subprocess.run(["cp", "-r", str(bundle), str(copy)], check=True)
-    with pytest.raises(SystemExit, match="over the 0 MiB"):
-        gpu_bundle.main(["--out", str(copy), "--limit-mib", "0.001", "--record-count", "8"])
-    assert "MiB with the tracked files" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="over --max-mib 0.001"):
+        gpu_bundle.main(["--out", str(copy), "--max-mib", "0.001", "--record-count", "8"])
+    assert "MiB with the tracked files (limit 0.001 MiB)" in capsys.readouterr().out
     assert not json.loads((copy / gpu_bundle.MANIFEST).read_text())["within_limit"]
