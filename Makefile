@@ -5,9 +5,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SHAPES := data/shapes
-# The method study's world: its own seed (the held-out combinations follow it). `make study STUDY_SEED=3`.
-STUDY := data/study
+# The method study's world: its own seed (the held-out combinations follow it). The committed bundle is the world
+# of seed 1 (data/study, runs/study, results/study); `make study STUDY_SEED=3` studies the world of seed 3 in folders
+# of its own (data/study-world-3, runs/study-world-3, cache/study-world-3, results/study-world-3) with the study's
+# configs copied for them (`python -m study.world`, STUDY_CONFIGS).
 STUDY_SEED ?= 1
+STUDY_NAME := $(if $(filter 1,$(STUDY_SEED)),study,study-world-$(STUDY_SEED))
+STUDY := data/$(STUDY_NAME)
 STUDY_JOBS ?= 2
 # Everything runs offline: a hub call fails fast instead of hanging.
 export HF_HUB_OFFLINE := 1
@@ -28,19 +32,19 @@ $(STAMP): requirements.txt setup.cfg setup.py pyproject.toml
 $(SHAPES)/annotations/heldout.json: | $(STAMP)
 	$(PY) -m datamodules.shapes --out $(SHAPES) --n-train 4000 --n-val 500 --image-size 64 --seed 0
 
-demo: setup $(SHAPES)/annotations/heldout.json
-	$(PY) -m datamodules.preprocess --config configs/demo/pretrain.yaml
-	$(PY) -m lightning_modules.fit --config configs/demo/pretrain.yaml
-	$(PY) -m lightning_modules.fit --config configs/demo/clip_ft.yaml
-	$(PY) -m lightning_modules.fit --config configs/demo/cae.yaml
-	$(PY) -m lightning_modules.fit --config configs/demo/macco.yaml
-	$(PY) -m lightning_modules.fit --config configs/demo/smartclip.yaml
-	$(PY) -m datamodules.features --config configs/demo/tflocal.yaml
-	$(PY) -m lightning_modules.fit --config configs/demo/tflocal.yaml
-	$(PY) -m study.demo --data-root $(SHAPES) --out runs/demo_results.json \
-		runs.pretrained=runs/demo_pretrain runs.clip_ft=runs/demo_clip_ft runs.cae_attention=runs/demo_cae \
-		runs.macco=runs/demo_macco runs.smartclip=runs/demo_smartclip runs.tflocal=runs/demo_tflocal \
-		runs.sgi_pretrained=runs/demo_pretrain@sgi
+# The demo: the method study's world, its preprocessing cache and its carried backbone (shared with `make study`),
+# checked against the bundle; every fine-tuning method from that backbone at one small budget
+# (configs/sweeps/demo.yaml: runs/demo/method-*); the table, each row against the backbone (runs/demo/results.json).
+demo: setup $(STUDY)/annotations/heldout.json
+	$(PY) -m datamodules.preprocess --config configs/study/finetune.yaml
+	$(PY) -m study.restore --bundle $(STUDY_BUNDLE)
+	$(PY) -m study.demo --check --bundle $(STUDY_BUNDLE) --data-root $(STUDY) \
+		runs.pretrained=runs/study/backbones/seed-0
+	$(PY) -m slurm.sweep configs/sweeps/demo.yaml --local --jobs 2
+	$(PY) -m study.demo --bundle $(STUDY_BUNDLE) --data-root $(STUDY) --out runs/demo/results.json \
+		runs.pretrained=runs/study/backbones/seed-0 runs.clip_ft=runs/demo/method-clip_ft \
+		runs.cae_attention=runs/demo/method-cae_attention runs.macco=runs/demo/method-macco \
+		runs.smartclip=runs/demo/method-smartclip
 
 test: setup
 	$(PY) -m pytest
@@ -91,20 +95,27 @@ gpu-prepare: setup
 # where the bundle stopped from the backbone the bundle carries: `study.restore` puts it back before the backbones
 # sweep, which then skips it).
 # STUDY_ONLY runs part of the grid, e.g. `make study STUDY_ONLY="only.method=clip_ft"` (the report lists the rest
-# as missing). `make clean-study` starts over (it keeps the bundle).
+# as missing). `make clean-study` starts over (it keeps the bundle). Another world (STUDY_SEED) gets its own bundle
+# and page (runs/study-world-N/study_results.md); the README and docs/study.md stay the committed world's.
 STUDY_ONLY ?=
-STUDY_BUNDLE := results/study
+STUDY_COMMITTED := $(filter study,$(STUDY_NAME))
+STUDY_CONFIGS := $(if $(STUDY_COMMITTED),configs,runs/$(STUDY_NAME)/configs)
+STUDY_BUNDLE := results/$(STUDY_NAME)
+STUDY_PAGE := $(if $(STUDY_COMMITTED),docs/study_results.md --readme README.md --doc docs/study.md,\
+	runs/$(STUDY_NAME)/study_results.md)
 
 study: setup $(STUDY)/annotations/heldout.json
-	$(PY) -m datamodules.preprocess --config configs/study/finetune.yaml
-	$(PY) -m study.restore --bundle $(STUDY_BUNDLE)
-	$(PY) -m slurm.sweep configs/sweeps/study_backbones.yaml --local --jobs $(STUDY_JOBS)
-	$(PY) -m datamodules.features --config configs/study/finetune.yaml --config configs/study/with_negatives.yaml \
-		--config configs/study/tflocal.yaml
-	$(PY) -m slurm.sweep configs/sweeps/study.yaml --local --jobs $(STUDY_JOBS) $(STUDY_ONLY)
-	$(PY) -m slurm.sweep configs/sweeps/study_checks.yaml --local --jobs $(STUDY_JOBS)
-	$(PY) -m study --sweep runs/study/sweep --mechanism-limit 64 --mechanism-splits test --bundle $(STUDY_BUNDLE)
-	$(PY) -m study.page --bundle $(STUDY_BUNDLE) --out docs/study_results.md --readme README.md
+	$(if $(STUDY_COMMITTED),,$(PY) -m study.world --seed $(STUDY_SEED) --out $(STUDY_CONFIGS))
+	$(PY) -m datamodules.preprocess --config $(STUDY_CONFIGS)/study/finetune.yaml
+	$(PY) -m study.restore --bundle $(STUDY_BUNDLE) --data-root $(STUDY)
+	$(PY) -m slurm.sweep $(STUDY_CONFIGS)/sweeps/study_backbones.yaml --local --jobs $(STUDY_JOBS)
+	$(PY) -m datamodules.features --config $(STUDY_CONFIGS)/study/finetune.yaml \
+		--config $(STUDY_CONFIGS)/study/with_negatives.yaml --config $(STUDY_CONFIGS)/study/tflocal.yaml
+	$(PY) -m slurm.sweep $(STUDY_CONFIGS)/sweeps/study.yaml --local --jobs $(STUDY_JOBS) $(STUDY_ONLY)
+	$(PY) -m slurm.sweep $(STUDY_CONFIGS)/sweeps/study_checks.yaml --local --jobs $(STUDY_JOBS)
+	$(PY) -m study --sweep runs/$(STUDY_NAME)/sweep --mechanism-limit 64 --mechanism-splits test \
+		--bundle $(STUDY_BUNDLE)
+	$(PY) -m study.page --bundle $(STUDY_BUNDLE) --out $(STUDY_PAGE)
 
 # The world where relation direction is learnable: relations stated one way in the captions, 32 px images.
 $(STUDY)/annotations/heldout.json: | $(STAMP)
@@ -112,8 +123,18 @@ $(STUDY)/annotations/heldout.json: | $(STAMP)
 		--relations one-way
 
 clean-study:
-	rm -rf $(STUDY) runs/study cache/study cache/study_features
+	rm -rf $(STUDY) runs/$(STUDY_NAME) cache/$(STUDY_NAME) cache/$(STUDY_NAME)_features
 
+# The demo's runs (runs/demo; runs/demo_* of the demo before it) and the caches of the shapes-world recipes
+# (configs/demo/*.yaml: cache/<key>, cache/features/<key>), found by the hash of a shapes-world annotation file that
+# their settings.json records. The study's caches (cache/study*, which the demo reads) and a COCO cache stay.
 clean-demo:
-	rm -rf runs/demo_pretrain runs/demo_clip_ft runs/demo_cae runs/demo_macco runs/demo_smartclip runs/demo_tflocal \
-		runs/demo_results.json cache
+	rm -rf runs/demo runs/demo_pretrain runs/demo_clip_ft runs/demo_cae runs/demo_macco runs/demo_smartclip \
+		runs/demo_tflocal runs/demo_results.json
+	for annotations in $(SHAPES)/annotations/captions_train.json $(SHAPES)/annotations/captions_val.json; do \
+		test -f $$annotations || continue; \
+		sha=$$(sha256sum < $$annotations | cut -c1-64); \
+		for settings in cache/*/settings.json cache/features/*/settings.json; do \
+			if grep -qs "\"annotations_sha256\": \"$$sha\"" "$$settings"; then rm -rf "$${settings%/settings.json}"; fi; \
+		done; \
+	done

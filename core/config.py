@@ -10,6 +10,7 @@ import copy
 import difflib
 import functools
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -30,10 +31,11 @@ BASE_CONFIG = CONFIGS_DIR / "base.yaml"
 @dataclass
 class LoraConfig:
     # LoRA (Hu et al., ICLR 2022) through peft (modeling/lora.py): each targeted linear layer W of the CLIP towers
-    # computes W x + (alpha / rank) B A dropout(x), with A [rank, in] and B [out, rank] (B starts at zero, so training
-    # starts from the backbone exactly). Every backbone weight and logit_scale are frozen: the optimizer sees the
-    # adapters (at optim.lr / optim.weight_decay) and the method's own heads; the export merges the adapters into
-    # a plain open_clip checkpoint. 0 = off (full fine-tuning). At most the width of the narrowest targeted layer.
+    # computes W x + (alpha / rank) B A dropout(x), with A [rank, in] and B [out, rank] (B starts at zero: training
+    # starts from the backbone's function, its values up to float rounding, see modeling/lora.py). Every backbone
+    # weight and logit_scale are frozen: the optimizer sees the adapters (at optim.lr / optim.weight_decay) and the
+    # method's own heads; the export merges the adapters into a plain open_clip checkpoint. 0 = off (full
+    # fine-tuning). At most the width of the narrowest targeted layer. Needs model.pretrained (see below).
     rank: int = 0
     # Scaling of the adapters' output: alpha / rank.
     alpha: float = 16.0
@@ -46,6 +48,9 @@ class LoraConfig:
     # Which linear layers of a block: out_proj (the attention's output projection), c_fc and c_proj (the MLP).
     # The attention's packed query/key/value projection is a bare parameter, not a linear layer, and stays frozen.
     targets: List[str] = field(default_factory=lambda: ["out_proj", "c_fc", "c_proj"])
+    # Tests only: accept adapters with model.pretrained null (a randomly initialised backbone, which they would adapt
+    # to nothing learnt; fit refuses it otherwise).
+    allow_random_backbone: bool = False
 
 
 @dataclass
@@ -304,7 +309,8 @@ class CheckpointConfig:
 @dataclass
 class EvaluationConfig:
     # Benchmarks (keys of evaluation.benchmarks.BENCHMARKS) scored during training every `every_n_steps`
-    # optimizer steps on rank 0 and logged to TensorBoard as eval/<benchmark>/<metric>. Empty or 0 = off.
+    # optimizer steps and at the last step of a finished schedule, on rank 0, and logged to TensorBoard as
+    # eval/<benchmark>/<metric>. Empty or 0 = off.
     benchmarks: List[str] = field(default_factory=list)
     every_n_steps: int = 0
     # Each benchmark reads <data_root>/<name>/ unless `roots` names its folder.
@@ -569,13 +575,16 @@ def load_config(config_files: Sequence[os.PathLike | str] = (), overrides: Seque
 
     With `methods` (name -> option class), `method` is the named method's typed section: an unknown method,
     another method's key or a typo is an error. Keys fit derives (`DERIVED_KEYS`) may not be set, except in a
-    run's `saved` config.yaml, which records them.
+    run's `saved` config.yaml, which records them (a config file that is a run's own, `is_run_record`, counts as
+    saved: fit given it resumes that run and derives them again).
     """
     sources = _sources(config_files, overrides, base)
     options = _method_options(_method_name(sources), methods) if methods is not None else None
     cfg = schema(options)
+    files = {str(Path(path)) for path in config_files}
     for content, where in sources:
-        for key in () if saved else DERIVED_KEYS:
+        records_derived = saved or (where in files and is_run_record(content, Path(where)))
+        for key in () if records_derived else DERIVED_KEYS:
             if OmegaConf.select(content, key, default=None) is not None:
                 raise ConfigError(f"{key} in {where}: it is derived from data.batch_size (the global batch) and the "
                                   f"devices; set data.batch_size instead")
@@ -621,6 +630,33 @@ def loader_workers(num_workers: Any, accelerator: str, devices: Any = 1) -> int:
         return 0
     per_device = cpu_share() // (devices if isinstance(devices, int) and devices > 0 else 1)
     return max(1, min(MAX_AUTO_WORKERS, per_device - 1))
+
+
+RUN_CONFIG = "config.yaml"  # what fit writes into a run directory: the resolved config the run trains with
+
+
+def is_run_record(content: DictConfig, path: Path) -> bool:
+    """Whether `path` is a run's own config.yaml: the file fit wrote into the run directory it names
+    (`runs_root/experiment`, a relative runs_root read from the working directory)."""
+    runs_root = OmegaConf.select(content, "runs_root", default=None)
+    experiment = OmegaConf.select(content, "experiment", default=None)
+    if not runs_root or not experiment or path.name != RUN_CONFIG:
+        return False
+    return (Path(runs_root) / experiment / RUN_CONFIG).resolve() == path.resolve()
+
+
+def resume_command(run_dir: Path) -> Optional[str]:
+    """The fit command that resumes the run in `run_dir` from its own config.yaml and trains it to its end; None
+    when there is no such file or it names another run directory from here (a relative runs_root of another
+    working directory). It resumes whatever the run started with: `resume=true` where the run moved an older
+    directory aside, `resume_from=null` where it started from a named checkpoint (the newest of its own is taken)."""
+    path = Path(run_dir) / RUN_CONFIG
+    stored = OmegaConf.load(path) if path.is_file() else None
+    if not isinstance(stored, DictConfig) or not is_run_record(stored, path):
+        return None
+    pinned = [] if stored.get("resume") is True else ["resume=true"]
+    pinned += ["resume_from=null"] if stored.get("resume_from") else []
+    return shlex.join(["python", "-m", "lightning_modules.fit", "--config", str(path), *pinned])
 
 
 def load_config_or_exit(config_files: Sequence[os.PathLike | str], overrides: Sequence[str],

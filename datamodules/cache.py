@@ -44,6 +44,16 @@ class CacheError(RuntimeError):
     """A cache that is missing, incomplete or corrupt; the message names the file and the fix."""
 
 
+# The arguments of the job that (re)builds a cache, as its errors write them: the reader's own config files and
+# overrides. A command that has them (fit) writes them in their place (`with_arguments`).
+SAME_ARGUMENTS = "--config <the same config files and overrides>"
+
+
+def with_arguments(message: str, arguments: str) -> str:
+    """A cache error's `message` with `arguments` (e.g. `--config a.yaml k=v`) in place of `SAME_ARGUMENTS`."""
+    return message.replace(SAME_ARGUMENTS, arguments)
+
+
 def file_sha256(path: os.PathLike | str, chunk_size: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -120,7 +130,8 @@ class ShardedCache:
         try:
             return json.loads(path.read_text())
         except ValueError as err:
-            raise CacheError(f"corrupt shard metadata {path}: {err}") from err
+            raise CacheError(f"corrupt shard metadata {path} ({err}): {self.job} {SAME_ARGUMENTS} rebuilds the "
+                             f"shard") from err
 
     def is_done(self, index: int) -> bool:
         """True when the shard's data exists and matches its recorded checksum (then a rerun skips it)."""
@@ -147,10 +158,10 @@ class ShardedCache:
         meta, data = self.read_meta(index), self.data_path(index)
         if meta is None or not data.is_file():
             raise CacheError(f"shard {index} of {self.num_shards} of the {self.label} is missing in "
-                             f"{self.directory} (run {self.job} with the same config)")
+                             f"{self.directory}: {self.job} {SAME_ARGUMENTS} rebuilds it")
         if file_sha256(data) != meta["sha256"]:
-            raise CacheError(f"corrupt or truncated {self.label} shard {data}: checksum mismatch; delete it and "
-                             f"rerun {self.job} to rebuild it")
+            raise CacheError(f"corrupt or truncated {self.label} shard {data} (checksum mismatch): {self.job} "
+                             f"{SAME_ARGUMENTS} rebuilds it")
         return self.decode(data, meta["records"])
 
     def summarise(self, settings: Dict[str, Any]) -> dict:
@@ -185,15 +196,18 @@ def open_cache(directory: os.PathLike | str, kind: Type[CacheKind] = ShardedCach
     """A finished cache of `kind`, from its manifest; a missing or incomplete one is a clear error."""
     manifest_path = Path(directory) / "manifest.json"
     if not manifest_path.is_file():
-        raise CacheError(f"no {kind.label} at {directory}: run {kind.job} --config <the same config files and "
-                         f"overrides>")
-    manifest = json.loads(manifest_path.read_text())
+        raise CacheError(f"no {kind.label} at {directory}: run {kind.job} {SAME_ARGUMENTS}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError as err:
+        raise CacheError(f"corrupt {kind.label} manifest {manifest_path} ({err}): {kind.job} {SAME_ARGUMENTS} "
+                         f"writes it again") from err
     cache = kind(directory, manifest["num_shards"])
     if not manifest["complete"]:  # shards finished concurrently may each have seen the others unfinished
         manifest = cache.summarise(manifest["settings"])
     if not manifest["complete"]:
         raise CacheError(f"the {kind.label} at {directory} is incomplete ({manifest['finished_shards']} of "
-                         f"{manifest['num_shards']} shards): finish {kind.job}")
+                         f"{manifest['num_shards']} shards): finish it with {kind.job} {SAME_ARGUMENTS}")
     return cache
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Set, Tuple
 
 import lightning as L
@@ -36,6 +37,7 @@ from datamodules.annotations import (KARPATHY_TRAIN_SPLITS, CaptionRecord, exist
 from datamodules.cache import CacheError
 from datamodules.hard_negatives import (NEIGHBOUR_STREAM, NegativeCaptions, NeighbourCounts, NeighbourTable,
                                         build_neighbour_table, draw_generator, stream_seed)
+from datamodules.loader_workers import init_loader_worker
 from datamodules.masks import CaptionMasks, PatchGeometry
 from datamodules.transforms import CropResize, seeded_generator, with_generator
 from datamodules.word_vocabulary import WordVocabulary
@@ -559,9 +561,12 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, num_workers: int, wor
     distributed contrastive loss gathers them); a `ResumableLoader` whose epoch `position` is checkpointed.
     Evaluation: in order, nothing dropped; DistributedSampler pads the last shard by repeating a few samples
     so ranks stay in step.
+    Workers ignore the stop signals a scheduler sends to the whole job (loader_workers.py): the training process
+    stops at a step boundary and shuts them down itself.
     """
     options = dict(batch_size=batch_size, drop_last=train, num_workers=num_workers,
-                   persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available())
+                   persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
+                   worker_init_fn=partial(init_loader_worker, rank=rank) if num_workers > 0 else None)
     if not train:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
         return DataLoader(dataset, sampler=sampler, **options)

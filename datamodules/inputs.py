@@ -25,6 +25,9 @@ class InputError(ValueError):
 
 
 def raise_if_any(problems: List[str], job: str) -> None:
+    """An `InputError` naming every problem: one line for one problem, a list for several."""
+    if len(problems) == 1:
+        raise InputError(f"{job} cannot start: {problems[0]}")
     if problems:
         raise InputError(f"{job} cannot start:\n  - " + "\n  - ".join(problems))
 

@@ -2,7 +2,8 @@
 
 To change how one benchmark is scored, read its file in `benchmarks/` (its items from the official files, the
 per-item rule `outcome`, and its aggregates); `benchmarks/base.py` holds the rules all share (strict `>`: a tie
-is wrong) and the `Scorer` interface.
+is wrong) and the `Scorer` interface, `benchmarks/annotations.py` the readers every benchmark reads its files with
+(a damaged file or an empty text is refused, naming the file).
 
 - `benchmarks/`: the loaders, one file per benchmark family, `BENCHMARKS` by name (`benchmarks/__init__.py`);
   `benchmarks/data/` holds the official exclusion lists.

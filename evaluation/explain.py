@@ -18,6 +18,11 @@ and aspect ratio, its shorter side first brought down to 640 pixels when longer,
 positional embeddings resized to it. "square" [ours]: the model's validation transform (resize and centre
 crop to its input size). The image shown is that input, de-normalised: the pixels the model saw, so the heat
 map lies exactly on what it explains.
+
+The text map explains S(I, T) with the image I of `--text-image`: "centre_crop" (default, Grad-ECLIP's text
+explanations) the image's shorter side resized (bicubic) to the model's input size and the centre square cropped,
+as the official code's CLIP preprocessing does; "whole" [ours] the image map's input above (the whole image with
+`--resize aspect`). The similarity a row reports is that S(I, T).
 """
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ class Explanation:
     """What one (image, text) row shows: the numbers written to the JSON and the heat map drawn."""
 
     text: str
-    similarity: float  # S(I, T), cosine of the L2-normalised embeddings
+    similarity: float  # S(I, T), cosine of the L2-normalised embeddings, I the text map's image (--text-image)
     tokens: List[str]  # BPE pieces of positions 1..EOS-1, "</w>" stripped
     token_ids: List[int]
     attributions: List[float]  # one per token, summing to 1 (renormalised; a row with nothing positive stays 0)
@@ -96,6 +101,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--resize", default="aspect", choices=RESIZES,
                         help="model input: the whole image, aspect kept, sides rounded to the patch size (aspect, "
                              "the original's explanations) or the validation transform's square crop (ours)")
+    parser.add_argument("--text-image", default="centre_crop", choices=TEXT_IMAGES,
+                        help="the image whose similarity the text map explains: its centre crop at the model's "
+                             "input size (centre_crop, the original's text explanations) or the image map's input "
+                             "(whole, ours)")
     add_output(parser, "formats", default=Path("explain.png"),
                help="the PNG and the JSON, each with its own suffix (default explain.png and explain.json)")
     parser.add_argument("--device", default="cpu")
@@ -124,7 +133,9 @@ def load_model(args: argparse.Namespace) -> BuiltModel:
 
 def read_image(path: Path) -> Image.Image:
     """The 8-bit RGB image of `--image`, decoded by `parsers.images` as training and the benchmarks decode it; a
-    missing or undecodable file exits with a message naming it."""
+    folder, a missing or an undecodable file exits with a message naming it."""
+    if path.is_dir():
+        raise SystemExit(f"--image {path} is a folder: give one image file (e.g. {path / 'cat.jpg'})")
     if not path.is_file():
         raise SystemExit(f"--image {path}: no such file")
     try:
@@ -187,10 +198,26 @@ def square_input(built: BuiltModel, image: Image.Image) -> Tensor:
     return built.preprocess_val(image)
 
 
+def centre_crop_input(built: BuiltModel, image: Image.Image) -> Tensor:
+    """Grad-ECLIP's text-map input [3, S, S], the official code's CLIP preprocessing: the shorter side resized
+    (bicubic) to the model's input size S, the centre S x S square cropped, normalised with the model's mean and
+    std."""
+    config = built.model.visual.preprocess_cfg
+    size = (config["size"],) * 2 if isinstance(config["size"], int) else tuple(config["size"])
+    resized = transforms.Resize(max(size), interpolation=InterpolationMode.BICUBIC)(image)
+    cropped = transforms.CenterCrop(size)(resized)
+    return transforms.functional.normalize(transforms.functional.to_tensor(cropped), list(config["mean"]),
+                                           list(config["std"]))
+
+
 # --resize -> (model, image) -> the normalised pixels the model explains
 MODEL_INPUTS: Dict[str, Callable[[BuiltModel, Image.Image], Tensor]] = {"aspect": aspect_preserving_input,
                                                                           "square": square_input}
 RESIZES = tuple(MODEL_INPUTS)
+# --text-image -> the image input the text map's S(I, T) is of (None: the image map's input)
+TEXT_IMAGE_INPUTS: Dict[str, Optional[Callable[[BuiltModel, Image.Image], Tensor]]] = {"centre_crop": centre_crop_input,
+                                                                                      "whole": None}
+TEXT_IMAGES = tuple(TEXT_IMAGE_INPUTS)
 
 
 def model_input(built: BuiltModel, image: Image.Image, resize: str) -> Tensor:
@@ -207,14 +234,26 @@ def prepare_inputs(built: BuiltModel, image: Image.Image, texts: Sequence[str], 
     return pixels.to(device), built.tokenizer(list(texts)).to(device)
 
 
+def text_image_pixels(built: BuiltModel, image: Image.Image, pixels: Tensor, text_image: str) -> Tensor:
+    """The pixels [T, 3, H, W] whose S(I, T) the text map explains (`--text-image`; "whole": `pixels` themselves)."""
+    if text_image not in TEXT_IMAGE_INPUTS:
+        raise ValueError(f"text_image must be one of {', '.join(TEXT_IMAGE_INPUTS)}, got {text_image!r}")
+    make = TEXT_IMAGE_INPUTS[text_image]
+    if make is None:
+        return pixels
+    return make(built, image).unsqueeze(0).expand(len(pixels), -1, -1, -1).to(pixels.device)
+
+
 def explain(built: BuiltModel, pixels: Tensor, ids: Tensor, texts: Sequence[str], method: str,
-            options: AttributionOptions) -> List[Explanation]:
-    """Similarity, text attribution and image heat map per (image, text) pair."""
+            options: AttributionOptions, text_pixels: Optional[Tensor] = None) -> List[Explanation]:
+    """Similarity, text attribution and image heat map per (image, text) pair: the heat map explains `pixels`, the
+    text attribution and the similarity are of `text_pixels` (`text_image_pixels`; None: `pixels`)."""
     encoders = CLIPEncoders(built.model.eval())
     word_ends = word_end_table(built.tokenizer, built.model.vocab_size)
     # No torch.no_grad anywhere: the gradient-based maps differentiate S(I, T) (the weights keep
     # requires_grad so the forward records a graph; autograd.grad leaves their .grad untouched).
-    image = F.normalize(encoders.encode_image(pixels, resize_positions=True).pooled.detach(), dim=-1)
+    text_pixels = pixels if text_pixels is None else text_pixels
+    image = F.normalize(encoders.encode_image(text_pixels, resize_positions=True).pooled.detach(), dim=-1)
     text = encoders.encode_text(ids, attn=True)
     inputs = TextAttributionInputs(encoders, ids, image, text, word_ends)
     attribution = text_attribution(method, inputs, options).detach().cpu()
@@ -267,8 +306,8 @@ def run_report(args: argparse.Namespace, built: BuiltModel, options: Attribution
                rows: Sequence[Explanation]) -> dict:
     source = str(args.run) if args.run is not None else args.pretrained  # None: random weights
     return {"model": built.name, "source": source, "image": str(args.image), "resize": args.resize,
-            "image_shown": "the model's input, de-normalised", "attribution": args.attribution,
-            "options": asdict(options), "rows": [row.record() for row in rows]}
+            "text_image": args.text_image, "image_shown": "the model's input, de-normalised",
+            "attribution": args.attribution, "options": asdict(options), "rows": [row.record() for row in rows]}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -279,7 +318,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     options = attribution_options_from_args(args)
     built.model.to(args.device)
     pixels, ids = prepare_inputs(built, image, args.text, torch.device(args.device), args.resize)
-    rows = explain(built, pixels, ids, args.text, args.attribution, options)
+    text_pixels = text_image_pixels(built, image, pixels, args.text_image)
+    rows = explain(built, pixels, ids, args.text, args.attribution, options, text_pixels)
     figure = plot(display_image(pixels[0], built.preprocess_val), rows, args.attribution, args.heads)
     paths = save(args.out, figure, run_report(args, built, options, rows))
     print(attribution_table(rows, args.attribution))

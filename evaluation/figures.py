@@ -10,7 +10,9 @@ One panel per (image, caption) pair:
 The heat map uses a perceptually uniform colour map (equal steps of relevance look like equal steps of colour,
 which jet's bands do not) drawn half-transparent over a grey copy of the image: the heat colours then never mix
 with the colours the captions speak of, which the image beside it shows as they are. Panels are laid out on a grid:
-the explain command puts one text per row, the monitor a caption and its hard negative side by side.
+the explain command and the monitor put one text per row (the monitor: a caption, and below it its hard negative).
+A maximum width keeps a figure readable where it is shown scaled to a fixed width (TensorBoard's image cards): the
+token bars then narrow instead of the panel widening, and their labels stand upright.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ HEAT_ALPHA = 0.6
 KIND_COLOURS = {"object": "#3b75af", "attribute": "#e1812c", "relation": "#3a923a", "other": "#9a9a9a"}
 UNKNOWN_KIND_COLOUR = "#4d5b6b"  # tokens of a text whose words were not parsed
 CAPTION_WRAP = 64  # characters per line of the caption shown above a panel
+SMALL_FONT = 8  # points: tick labels and legends (the titles are 9); at the monitor's 80 dpi about 9 pixels tall
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class PanelLayout:
     bar_title: float = 0.4
     bar_left: float = 0.6
     bar_bottom: float = 0.75  # room for the token labels
-    legend: float = 1.0  # right of the bars, for the word-kind legend
+    legend: float = 1.1  # right of the bars, for the word-kind legend
 
     def width(self, tokens: int) -> float:
         return self.min_width + max(0, tokens - self.tokens_at_min_width) * self.inches_per_token
@@ -126,7 +129,7 @@ def draw_images(place: PanelPlace, image: np.ndarray, panel: TextPanel, heads: s
     bar_axes = place.axes(heat_left + LAYOUT.image + 0.1, bottom, LAYOUT.colour_bar, LAYOUT.image)
     bar = place.figure.colorbar(ScalarMappable(Normalize(0, 1), HEAT_COLORMAP), cax=bar_axes)
     bar.set_label("relevance (min-max)", fontsize=8)
-    bar.ax.tick_params(labelsize=7)
+    bar.ax.tick_params(labelsize=SMALL_FONT)
 
 
 def draw_bars(place: PanelPlace, panel: TextPanel, method: str) -> None:
@@ -138,15 +141,18 @@ def draw_bars(place: PanelPlace, panel: TextPanel, method: str) -> None:
     kinds = panel.kinds or [None] * len(panel.tokens)
     axes.bar(positions, panel.attributions, color=[KIND_COLOURS.get(kind, UNKNOWN_KIND_COLOUR) for kind in kinds])
     many = len(panel.tokens) > 8
-    axes.set_xticks(positions, panel.tokens, rotation=45 if many else 0, ha="right" if many else "center",
-                    rotation_mode="anchor", fontsize=8)
+    # Bars narrower than a panel of its own width would give them (a capped width): upright labels, side by side.
+    crowded = (place.width - LAYOUT.bar_left - LAYOUT.legend) / max(len(panel.tokens), 1) < LAYOUT.inches_per_token
+    rotation = 90 if crowded else 45 if many else 0
+    axes.set_xticks(positions, panel.tokens, rotation=rotation, ha="right" if rotation == 45 else "center",
+                    va="top", rotation_mode="anchor" if rotation == 45 else "default", fontsize=SMALL_FONT)
     axes.set_xlim(-0.6, max(len(panel.tokens), 1) - 0.4)
     axes.set_ylabel("attribution", fontsize=8)
-    axes.tick_params(axis="y", labelsize=7)
+    axes.tick_params(axis="y", labelsize=SMALL_FONT)
     axes.set_title(f"text attribution: {method}", fontsize=9)
     if panel.kinds:
         present = [kind for kind in KIND_COLOURS if kind in set(panel.kinds)]
-        axes.legend(handles=[Patch(color=KIND_COLOURS[kind], label=kind) for kind in present], fontsize=7,
+        axes.legend(handles=[Patch(color=KIND_COLOURS[kind], label=kind) for kind in present], fontsize=SMALL_FONT,
                     loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
@@ -157,7 +163,7 @@ def draw_panel(place: PanelPlace, image: np.ndarray, panel: TextPanel, method: s
 
 
 def explanation_figure(image: np.ndarray, panels: Sequence[Sequence[TextPanel]], method: str, heads: str,
-                       dpi: int = 100) -> Figure:
+                       dpi: int = 100, max_width: Optional[float] = None) -> Figure:
     """A grid of panels (rows of columns) explaining texts about one image (Agg figure, no pyplot state).
 
     Args:
@@ -165,9 +171,13 @@ def explanation_figure(image: np.ndarray, panels: Sequence[Sequence[TextPanel]],
         panels: rows of panels; a row may have fewer panels than the widest (its other places stay empty).
         method: the text attribution's name, for the bar chart's title.
         heads: the Grad-ECLIP image map's heads ("single" or "multi"), for its title.
+        max_width: at most this many inches per panel (never below the narrowest panel): long captions narrow
+            their bars instead of widening the figure. None: as wide as the longest caption needs.
     """
     columns = max(len(row) for row in panels)
     width = LAYOUT.width(max(len(panel.tokens) for row in panels for panel in row))
+    if max_width is not None:
+        width = max(LAYOUT.min_width, min(width, max_width))
     figure = Figure(figsize=(width * columns, LAYOUT.height * len(panels)), dpi=dpi)
     FigureCanvasAgg(figure)
     for row_index, row in enumerate(panels):

@@ -73,7 +73,9 @@ def error_line(error: BaseException) -> str:
 
 def check_images(benchmark: Benchmark) -> None:
     """Fail before any encoding when images are missing or empty: a partial benchmark gives a silently wrong
-    number (an image that exists but does not decode stops its benchmark when it is read, naming the file)."""
+    number (an image that exists but does not decode stops its benchmark when it is read, naming the file). The
+    annotation files are read first: a damaged one (`DamagedBenchmarkData`) stops the run here too."""
+    benchmark.read_annotations()
     refs = benchmark.image_refs()
     missing = missing_files(refs)
     if missing:

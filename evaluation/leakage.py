@@ -3,12 +3,12 @@
 COCO train2017 = train2014 + val2014 - val2017, so it holds most of the Karpathy test images (retrieval,
 COCO-Order); Karpathy train+restval can hold val2017 images (SugarCrepe, BiVLC, What'sUp COCO-spatial, VALSE
 plurals/relations). COCO ids are shared between the 2014 and 2017 releases, so the overlap is an
-intersection of ids. The guard reads the training annotations of a config (or `--train FILE`), intersects
-them with each benchmark's COCO image ids, prints the overlap, and with `--out DIR` writes the overlap report
-(`DIR/overlap_report.json`) and the union of benchmark ids as a `data.exclude_image_ids` file
-(`DIR/exclude_image_ids.json`), so that a retrain is disjoint from the evaluation sets by construction. A
-config's training set is what the run reads: the first `data.max_train_samples` records, less
-`data.exclude_image_ids`. Training images count by the benchmarks' rule: files named as COCO names them.
+intersection of ids. The guard reads the training annotations of a config (`--config FILE`, with fit's key=value
+overrides) or of `--train FILE`, intersects them with each benchmark's COCO image ids, prints the overlap, and
+with `--out DIR` writes the overlap report (`DIR/overlap_report.json`) and the union of benchmark ids as a
+`data.exclude_image_ids` file (`DIR/exclude_image_ids.json`), so that a retrain is disjoint from the evaluation
+sets by construction. A config's training set is what the run reads: the first `data.max_train_samples` records,
+less `data.exclude_image_ids`. Training images count by the benchmarks' rule: files named as COCO names them.
 
 How a benchmark image is known to be a COCO image:
 - by its COCO file name (`000000391895.jpg`, `COCO_val2014_000000391895.jpg`); BiVLC's embedded photos by the
@@ -82,7 +82,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--karpathy-splits", default="train,restval", help="splits read from a Karpathy --train")
     add_benchmark_arguments(parser)
     add_key_values(parser, dest="settings", help="roots.NAME=DIR (one benchmark's folder), options.NAME.OPTION=VALUE "
-                   "(a benchmark constructor option, read as YAML), as for evaluate")
+                   "(a benchmark constructor option, read as YAML), as for evaluate; with --config, any other "
+                   "key=value overrides the config as for fit, e.g. data.exclude_image_ids=FILE")
     parser.add_argument("--vg-image-data", type=Path, metavar="FILE",
                         help=f"map Visual Genome images to COCO ids: {VG_MAP_HELP}; without it they are not checked")
     parser.add_argument("--hash-images", action="store_true",
@@ -99,8 +100,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                             "--write-exclusions": f"--out DIR (writes DIR/{EXCLUSIONS_FILE})",
                             "--report": f"--out DIR (writes DIR/{REPORT_FILE})"})
     args = parser.parse_intermixed_args(argv)
-    args.roots, args.options = benchmark_settings(key_value_sections(parser, args.settings, BENCHMARK_SETTINGS))
+    settings, args.overrides = config_overrides(parser, args)
+    args.roots, args.options = benchmark_settings(key_value_sections(parser, settings, BENCHMARK_SETTINGS))
     return args
+
+
+def config_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[List[str], List[str]]:
+    """The key=value arguments split into the benchmarks' settings (`roots.`, `options.`) and, with --config,
+    the config overrides (every other key, as fit takes them); without --config an override is an error."""
+    settings = [item for item in args.settings if item.partition(".")[0] in BENCHMARK_SETTINGS]
+    overrides = [item for item in args.settings if item.partition(".")[0] not in BENCHMARK_SETTINGS]
+    if overrides and not args.config:
+        parser.error(f"{overrides[0]!r}: config overrides need --config (with --train the key=value arguments are "
+                     f"{', '.join(BENCHMARK_SETTINGS.values())})")
+    return settings, overrides
 
 
 class TrainingOverlapError(ValueError):
@@ -445,7 +458,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, object]]:
     except (OSError, ValueError) as error:
         raise SystemExit(str(error)) from None
     if args.config:
-        training = config_training_set(load_config_or_exit(args.config, []).data)
+        training = config_training_set(load_config_or_exit(args.config, args.overrides).data)
     else:
         records = [r for path in args.train for r in read_annotation_file(str(path), args.karpathy_splits.split(","))]
         training = TrainingSet(records, args.train_images)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from core.config import resume_command
 from modeling.export import METADATA_FILE, WEIGHTS_FILE
 from evaluation.aligner import ALIGNER_METADATA
 
@@ -72,8 +73,9 @@ def run_export_dir(run: Path) -> Path:
         raise ProvenanceError(f"no run folder {run}: --run takes the folder fit created (runs/<experiment>)")
     export_dir = run / "export"
     if not (export_dir / METADATA_FILE).is_file() and not (export_dir / ALIGNER_METADATA).is_file():
-        resume = (f"`python -m lightning_modules.fit --config {run / 'config.yaml'}` resumes and finishes it"
-                  if (run / "config.yaml").is_file() else "run its fit command again to resume and finish it")
+        command = resume_command(run)
+        resume = (f"`{command}` resumes and finishes it" if command is not None
+                  else "run its fit command again, from the folder it ran in, to resume and finish it")
         raise ProvenanceError(f"run {run} has no export yet (no {export_dir / METADATA_FILE}): fit writes the "
                               f"export when training ends; {resume}, or evaluate another run")
     return export_dir

@@ -7,9 +7,9 @@ import platform
 import statistics
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import lightning as L
 from omegaconf import OmegaConf
@@ -18,28 +18,37 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 import torch
 from torch import nn
 
+from core.run_records import CONFIG_DIGEST
 from modeling.export import export_model
 from evaluation.harness import flat_scalars, run_all
 from evaluation.scorers import ClipScorer
-from lightning_modules.resume import PREVIOUS_CHECKPOINT
+from lightning_modules.resume import PREVIOUS_CHECKPOINT, config_digest
 
 log = logging.getLogger(__name__)
+
+# A checkpoint being written: never a resume candidate (resume.py), renamed into place once complete.
+PARTIAL_SUFFIX = ".partial"
 
 
 class LastCheckpoint(L.Callback):
     """Keeps `last.ckpt`, the resume point: after each epoch's last batch, every N steps, and at the end.
 
     Lightning's ModelCheckpoint writes last.ckpt only alongside a top-k save; this writes it on its own
-    schedule through `trainer.save_checkpoint` (atomic on local disks, collective-safe under DDP). It saves
-    from `on_train_batch_end`, also for the epoch's last batch: Lightning restores that state as "epoch
-    finished" and starts the next epoch cleanly, whereas a checkpoint taken in `on_train_epoch_end` of a
-    step-based run resumes into a spurious extra batch. Nothing is written when training dies with an
-    exception, so the previous checkpoint stays the last good one.
+    schedule through `trainer.save_checkpoint` (collective-safe under DDP) into `last.ckpt.partial`, and only a
+    complete file is renamed into place, the old one becoming `previous.ckpt`: an interrupted write (a second
+    Ctrl-C, a killed job) leaves both as they were. The two renames run inside `uninterrupted()` (the run's
+    `StopSignals.uninterrupted`), so an interrupt cannot fall between them. It saves from `on_train_batch_end`,
+    also for the epoch's last batch: Lightning restores that state as "epoch finished" and starts the next epoch
+    cleanly, whereas a checkpoint taken in `on_train_epoch_end` of a step-based run resumes into a spurious extra
+    batch. Nothing is written when training dies with an exception, so the previous checkpoint stays the last
+    good one.
     """
 
-    def __init__(self, path: Path, every_n_steps: int = 0):
+    def __init__(self, path: Path, every_n_steps: int = 0,
+                 uninterrupted: Callable[[], ContextManager[None]] = nullcontext):
         self.path = Path(path)
         self.every_n_steps = every_n_steps
+        self.uninterrupted = uninterrupted
         self._saved_step = -1
 
     def save(self, trainer: L.Trainer) -> Optional[Path]:
@@ -49,12 +58,19 @@ class LastCheckpoint(L.Callback):
         if trainer.global_step == self._saved_step:
             return self.path
         trainer.lightning_module.check_finite(weights=True)  # before the rotation: the old file stays last.ckpt
-        # Keep the previous resume point (a rename, no copy): if the new file is ever damaged, resume.py falls
-        # back to it.
-        if trainer.is_global_zero and self.path.is_file():
-            os.replace(self.path, self.path.with_name(PREVIOUS_CHECKPOINT))
-        trainer.strategy.barrier("last_checkpoint_rotation")
-        trainer.save_checkpoint(self.path)
+        partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        try:
+            trainer.save_checkpoint(partial)
+            if trainer.is_global_zero:
+                with self.uninterrupted():
+                    # Keep the previous resume point (a rename, no copy): if the new file is ever damaged,
+                    # resume.py falls back to it.
+                    if self.path.is_file():
+                        os.replace(self.path, self.path.with_name(PREVIOUS_CHECKPOINT))
+                    os.replace(partial, self.path)
+        finally:
+            if trainer.is_global_zero:
+                partial.unlink(missing_ok=True)  # what an interrupted write left
         self._saved_step = trainer.global_step
         return self.path
 
@@ -167,13 +183,16 @@ class ExportCallback(L.Callback):
 
 
 def export_metadata(cfg, global_step: int) -> dict:
-    """What model.json records beside the weights: the method, the step, and the backbone the run started from
+    """What model.json records beside the weights: the method, the step, the backbone the run started from
     (its `model` section without the adapters: what weight interpolation rebuilds as the pretrained end, see
-    evaluation/interpolation.py) and the adapters the export merged, if any."""
+    evaluation/interpolation.py), the adapters the export merged, if any, and the digest of the config that
+    trained it (`resume.config_digest`: a rerun or a sweep takes the run as finished only when its config has the
+    same, see fit.already_finished and slurm/sweep.py)."""
     model = OmegaConf.to_container(cfg.model, resolve=True)
     lora = model.pop("lora")
     return {"method": cfg.method.name, "global_step": global_step, "initialised_from": model["pretrained"],
-            "backbone": model, "lora": lora if lora["rank"] else None}
+            "backbone": model, "lora": lora if lora["rank"] else None,
+            CONFIG_DIGEST: config_digest(OmegaConf.to_container(cfg, resolve=True))}
 
 
 def cpu_model() -> str:
@@ -224,6 +243,13 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
             submodule.training = training
 
 
+def schedule_finished(trainer: L.Trainer) -> bool:
+    """Training reached `trainer.max_steps` or `trainer.max_epochs` (not a stop: a signal, a diverged step)."""
+    epochs = trainer.fit_loop.epoch_progress.current.processed
+    return (trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps) or \
+        (trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs)
+
+
 class BenchmarkEvaluation(L.Callback):
     """Scores the model on benchmarks every N optimizer steps (rank 0) and logs eval/<benchmark>/<metric>.
 
@@ -247,12 +273,33 @@ class BenchmarkEvaluation(L.Callback):
         # global_step repeats over the micro-batches of gradient accumulation: evaluate once per step
         if trainer.sanity_checking or step == 0 or step % self.every_n_steps or step == self._evaluated_step:
             return
+        self._score(trainer, module, step)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """A run that finished its schedule is scored at its last step too: its final scores are those of the
+        weights it exports (the hparams summary shows them). A run stopped early keeps its last scores."""
+        step = trainer.global_step
+        if step > 0 and step != self._evaluated_step and schedule_finished(trainer):
+            self._score(trainer, module, step)
+
+    def _score(self, trainer: L.Trainer, module: L.LightningModule, step: int) -> None:
         self._evaluated_step = step
         if trainer.is_global_zero:
             self.last_results = self._evaluate(module)
             if trainer.logger is not None:
                 trainer.logger.log_metrics(flat_scalars(self.last_results), step=step)
         trainer.strategy.barrier("benchmark_evaluation")
+
+    def headline_tags(self) -> list:
+        """The logged tags of the last scores' headline metrics (`Benchmark.headline`; every metric of a benchmark
+        or combined score without one)."""
+        tags = []
+        for tag in flat_scalars(self.last_results):
+            name, _, key = tag[len("eval/"):].partition("/")
+            headline = getattr(self.benchmarks.get(name), "headline", ())
+            if not headline or key in headline:
+                tags.append(tag)
+        return sorted(tags)
 
     def _evaluate(self, module: L.LightningModule) -> list:
         precision = "bf16-mixed" if module.device.type == "cuda" else "32-true"

@@ -16,6 +16,8 @@ import argparse
 import difflib
 import json
 import logging
+import os
+import shlex
 import shutil
 import signal
 import sys
@@ -32,8 +34,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from core.cli import AUTO, PRECISIONS, add_key_values, precision_problem
-from core.config import ConfigError, save_config, uses_gpu
-from modeling.encoders import model_config
+from core.config import GPU_ACCELERATORS, ConfigError, save_config, uses_gpu
+from core.run_records import CONFIG_DIGEST
+from modeling.encoders import model_config, pretrained_problem
+from datamodules.cache import CacheError, with_arguments
 from datamodules.coco import CocoDataModule
 from datamodules.inputs import InputError, data_input_problems, raise_if_any
 from evaluation.benchmarks import BENCHMARKS, Benchmark, MissingBenchmarkData
@@ -46,9 +50,9 @@ from lightning_modules.base import CompositionalCLIPModule
 from lightning_modules.callbacks import (BenchmarkEvaluation, ExportCallback, LastCheckpoint, MidEpochStopState,
                                         SamplesPerSecond, run_progress_bar)
 from lightning_modules.base import NonFiniteLossError
-from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, ResumeConfigError, candidates,
-                                     check_resume_config, checked_checkpoint, checkpoint_step,
-                                     choose_resume_checkpoint, refuse_old_layout)
+from lightning_modules.resume import (CHECKPOINT_DIR, LAST_CHECKPOINT, LENGTH_KEYS, CorruptCheckpointError,
+                                     ResumeConfigError, candidates, check_resume_config, checked_checkpoint,
+                                     checkpoint_step, choose_resume_checkpoint, config_digest, refuse_old_layout)
 from lightning_modules.stops import (STOPS_RECORD, RunDirectoryBusy, RunLock, SafeStop, StopSignals, StoppedBySignal,
                                      requeue_slurm_job, slurm_plugins)
 
@@ -200,8 +204,9 @@ def has_validation(cfg: DictConfig) -> bool:
 
 def build_callbacks(cfg: DictConfig, run_dir: Path,
                     benchmarks: Optional[Dict[str, Benchmark]] = None) -> List[L.Callback]:
-    last = LastCheckpoint(run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, cfg.checkpoint.every_n_steps)
     signals = StopSignals()
+    last = LastCheckpoint(run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, cfg.checkpoint.every_n_steps,
+                          uninterrupted=signals.uninterrupted)
     callbacks: List[L.Callback] = [
         SafeStop(run_dir, save=last.save, signals=signals),  # first: it must know whether a step is in progress
         signals,
@@ -325,7 +330,35 @@ def check_inputs(cfg: DictConfig) -> None:
     nothing of it that it cannot do, and the data this run reads exists (`InputError` naming every problem)."""
     method = registered_method(cfg.method.name)
     raise_if_any(config_problems(cfg, method), "training")
-    raise_if_any(data_problems(cfg, method), "training")
+    raise_if_any(data_problems(cfg, method) + start_problems(cfg), "training")
+
+
+def start_problems(cfg: DictConfig) -> List[str]:
+    """What this start needs beyond its data: the weights it starts or resumes from, and the GPUs it asks for
+    (not among `config_problems`: a sweep checks those on a login node, which may have no GPU and not yet the
+    export a previous sweep writes)."""
+    problems = [problem for problem in (pretrained_problem(cfg.model.pretrained),) if problem]
+    if cfg.resume and cfg.resume_from and not Path(cfg.resume_from).is_file():
+        problems.append(f"resume_from={cfg.resume_from}: no such checkpoint file (a run's checkpoints are "
+                        f"{CHECKPOINT_DIR}/{LAST_CHECKPOINT} and {CHECKPOINT_DIR}/best-*.ckpt in its run directory)")
+    return problems + gpu_problems(cfg.trainer)
+
+
+def gpu_problems(trainer: DictConfig) -> List[str]:
+    """`trainer.accelerator=gpu` (or cuda) where this process sees no CUDA GPU, or fewer than `trainer.devices`."""
+    if trainer.accelerator not in GPU_ACCELERATORS:
+        return []
+    key = f"trainer.accelerator={trainer.accelerator}"
+    if torch.version.cuda is None:
+        return [f"{key}: this torch ({torch.__version__}) is built without CUDA; train on the CPU with "
+                f"trainer.accelerator=cpu, or install a CUDA build of torch"]
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        return [f"{key}: no CUDA GPU is visible to this process (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); train on the CPU with trainer.accelerator=cpu"]
+    if isinstance(trainer.devices, int) and trainer.devices > visible:
+        return [f"trainer.devices={trainer.devices}: only {visible} CUDA GPU(s) are visible to this process"]
+    return []
 
 
 def registered_method(name: str) -> type:
@@ -357,7 +390,12 @@ def lora_problems(cfg: DictConfig, method: type) -> List[str]:
                 f"own head, so there is nothing for adapters to adapt (LoRA applies to {users}); set "
                 f"model.lora.rank=0"]
     model = cfg.model
-    return lora_setting_problems(lora, model_config(model.name, model.pretrained, model.config_dir))
+    problems = lora_setting_problems(lora, model_config(model.name, model.pretrained, model.config_dir))
+    if not model.pretrained and not lora.allow_random_backbone:
+        problems.append(f"model.lora.rank={lora.rank} with model.pretrained={model.pretrained}: adapters on a randomly "
+                        f"initialised backbone adapt nothing learnt; set model.pretrained (a tag such as openai, or a "
+                        f"run's export folder), or model.lora.allow_random_backbone=true for tests")
+    return problems
 
 
 def precision_problems(cfg: DictConfig) -> List[str]:
@@ -428,19 +466,37 @@ def hard_negative_problems(cfg: DictConfig, method: type) -> List[str]:
     return problems
 
 
-def already_finished(cfg: DictConfig, run_dir: Path, checkpoint: Optional[str]) -> bool:
+def already_finished(cfg: DictConfig, run_dir: Path, checkpoint: Optional[str], changes: Sequence[tuple] = ()) -> bool:
     """A rerun of a run that trained its whole length (its resume checkpoint reached `trainer.max_steps`, or
-    `max_epochs` when steps are unlimited) and exported that step: nothing to do, so nothing is written (no
-    empty event file, no re-export). A longer max_steps / max_epochs continues it."""
+    `max_epochs` when steps are unlimited), exported that step, and whose export records this config's digest:
+    nothing to do, so nothing is written (no empty event file, no re-export). A longer max_steps / max_epochs
+    continues it; a length the run has already passed, under another digest, is a `ResumeConfigError` naming the
+    changed keys (`changes`, from `check_rerun`): the export would be labelled with a length it was not trained
+    for. An export written before exports recorded their digest is judged by its step alone."""
     export = run_dir / "export" / "model.json"
     if checkpoint is None or not export.is_file():
         return False
     state = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)
     step = int(state.get("global_step", -1))
-    if json.loads(export.read_text()).get("global_step") != step:
+    metadata = json.loads(export.read_text())
+    if metadata.get("global_step") != step or not trained_its_length(cfg, state):
         return False
+    recorded = metadata.get(CONFIG_DIGEST)
+    if recorded is None or recorded == config_digest(OmegaConf.to_container(cfg, resolve=True)):
+        return True
+    changed = "; ".join(f"{key}: {old!r} (stored) -> {new!r} (now)" for key, old, new in changes
+                        if key in LENGTH_KEYS) or "its export records another config"
+    raise ResumeConfigError(
+        f"{run_dir} finished at step {step} (its export), and this config asks for no more steps under another "
+        f"length ({changed}): a finished run is not shortened. Nothing was written. Ask for more steps to continue "
+        f"it, or train this length in its own run directory with experiment=<new name>")
+
+
+def trained_its_length(cfg: DictConfig, state: dict) -> bool:
+    """Whether the checkpoint `state` has reached the run's length: `trainer.max_steps`, or `max_epochs` when
+    steps are unlimited."""
     if cfg.trainer.max_steps > 0:
-        return step >= cfg.trainer.max_steps
+        return int(state.get("global_step", -1)) >= cfg.trainer.max_steps
     epochs = state.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
     return cfg.trainer.max_epochs > 0 and epochs.get("completed", 0) >= cfg.trainer.max_epochs
 
@@ -461,13 +517,13 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> Optional
         # config.yaml and the module's saved config record.
         trainer = attempt.trainer = build_trainer(cfg, run_dir_of(cfg), extra_callbacks, benchmarks)
         cfg = with_per_device_batches(cfg, trainer.world_size)
+        checkpoint = resume_checkpoint(cfg, run_dir_of(cfg))
+        if already_finished(cfg, run_dir_of(cfg), checkpoint, changes):  # before config.yaml is written
+            print(f"{run_dir_of(cfg)} finished at step {checkpoint_step(Path(checkpoint))} (its export is in "
+                  f"{run_dir_of(cfg) / 'export'}): nothing to do", flush=True)
+            return None
         run_dir = prepare_run_dir(cfg)
         L.seed_everything(cfg.seed, workers=True)
-        checkpoint = resume_checkpoint(cfg, run_dir)
-        if already_finished(cfg, run_dir, checkpoint):
-            print(f"{run_dir} finished at step {checkpoint_step(Path(checkpoint))} (its export is in "
-                  f"{run_dir / 'export'}): nothing to do", flush=True)
-            return None
         module = build_module(cfg, resuming=checkpoint is not None)
         datamodule = build_datamodule(cfg, module)
         record_resume(run_dir, checkpoint, changes)
@@ -484,10 +540,16 @@ def fit_or_report_stop(trainer: L.Trainer, module: CompositionalCLIPModule, data
     try:
         with signals.installed(trainer):
             trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
-    except SIGTERMException:
-        if signals.received == signal.SIGUSR1:
+    except (SIGTERMException, KeyboardInterrupt, SystemExit) as err:
+        # A forced stop (a second Ctrl-C) comes out as KeyboardInterrupt, or as the SystemExit(1) that Lightning
+        # turns one into; any other is not a stop of ours.
+        if not isinstance(err, SIGTERMException) and not signals.forced:
+            raise
+        if signals.forced and not safe_stop.outcome.get("forced"):
+            safe_stop.record_late_interrupt(trainer.global_step)
+        if signals.received == signal.SIGUSR1 and not signals.forced:
             requeue_slurm_job()
-        raise signals.stop_error(trainer.global_step, safe_stop.outcome.get("saved")) from None
+        raise signals.stop_error(trainer.global_step, safe_stop.outcome) from None
     except NonFiniteLossError as err:
         resume = safe_stop.outcome.get("resume_from")
         kept = (f"the newest good checkpoint is {resume} (step {checkpoint_step(resume)}); a rerun resumes from it "
@@ -495,6 +557,12 @@ def fit_or_report_stop(trainer: L.Trainer, module: CompositionalCLIPModule, data
                 if resume else "no checkpoint was written before it")
         raise NonFiniteLossError(f"{err}; {kept}. Recorded in {trainer.default_root_dir}/{STOPS_RECORD}",
                                  err.step) from None
+
+
+def this_run_arguments(args: argparse.Namespace) -> str:
+    """fit's own `--config` files and overrides, as one shell-quoted string: what the jobs that build its caches
+    take too."""
+    return shlex.join([*(part for path in args.config for part in ("--config", path)), *args.overrides])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -506,11 +574,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"config error: {err}") from None
     except (ResumeConfigError, TrainingOverlapError, RunDirectoryBusy) as err:
         raise SystemExit(f"refused: {err}") from None
-    except (InputError, MissingBenchmarkData) as err:
+    except (InputError, MissingBenchmarkData, CorruptCheckpointError) as err:
         raise SystemExit(str(err)) from None
+    except CacheError as err:  # met when the datamodule opens the cache, before the first step
+        raise SystemExit(with_arguments(str(err), this_run_arguments(args))) from None
     except StoppedBySignal as err:
         print(str(err), file=sys.stderr, flush=True)
         raise SystemExit(err.exit_code) from None
+    except KeyboardInterrupt:  # a Ctrl-C outside training (a stop during training is a StoppedBySignal)
+        print("interrupted by SIGINT (a stop during training is recorded in the run directory's stops.jsonl)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     except NonFiniteLossError as err:
         raise SystemExit(f"training stopped: {err}") from None
 

@@ -16,9 +16,12 @@ the run reads it, data.masks=true; parsed once otherwise; docs/methods.md#clip-c
   log directory on it;
 - at step 0, every `monitor.figures_every_n_steps` steps and the last step: explanation figures of the first
   `overlay_images` probe pairs, `attr_overlay/<k>` (evaluation/figures.py: the image, its Grad-ECLIP map with a
-  colour bar, the caption and its token bars coloured by word kind; beside it the pair's hard negative when the
-  run trains with hard negatives), and a box plot `attr_boxplot/<kind>` of the per-caption group values;
-- at the end of fit, an hparams summary: the run's main settings beside its final gap and scores (HPARAMS tab).
+  colour bar, the caption and its token bars coloured by word kind; below it, in a panel of its own, the pair's
+  hard negative when the run trains with hard negatives; at most `CARD_WIDTH_PX` wide, so that TensorBoard's image
+  card shows it at its own size), and a box plot `attr_boxplot/<kind>` of the per-caption group values;
+- at the end of fit, an hparams summary: the run's main settings beside its final values of the tags it logged
+  (HPARAMS tab): `attr/<kind>/gap` of each monitored kind, `val/loss` when it validated, and the headline scores
+  `eval/<benchmark>/<metric>` of its benchmarks (scored at the last step, callbacks.BenchmarkEvaluation).
 
 A frozen backbone (TFLocal, TFGlobal: no CLIP parameter is trained) cannot move its gap: it is measured once and
 the same values are logged at every step of the schedule, so the frozen methods appear in the comparison too.
@@ -54,7 +57,6 @@ from modeling.encoders import CLIPEncoders, TextFeatures
 from datamodules.annotations import CaptionRecord, existing_path, image_path_candidates, read_annotation_file
 from evaluation.explain import token_pieces
 from evaluation.figures import TextPanel, explanation_figure, figure_pixels
-from evaluation.harness import flat_scalars
 from lightning_modules.callbacks import BenchmarkEvaluation, eval_mode
 from modeling.attribution import (ATTRIBUTIONS, AttributionOptions, TextAttributionInputs, WordReplacements,
                                   attribution_options, draw_word_replacements, eos_positions, group_means,
@@ -71,11 +73,15 @@ PROBE_SEED = 0
 PROBE_CHUNK = 32
 # Resolution of the figures logged to TensorBoard.
 FIGURE_DPI = 80
+# The widest figure TensorBoard's image card shows at its own size (its default card is about this wide): a wider
+# one is scaled down until its text is unreadable. The explanation figures stack their panels to stay within it.
+CARD_WIDTH_PX = 480
 # The quantities of the custom-scalars charts: logged name -> chart title.
 QUANTITIES = {"gap": "gap = A_comp - A_obj", "obj": "object words (A_obj)", "comp": "composition words (A_comp)",
               "attribute": "attribute words", "relation": "relation words"}
 # Settings shown in the hparams view beside the final gap and scores: the same keys for every run, so that the
-# runs of a directory form one table (TensorBoard takes the columns from one run's summary).
+# runs of a directory form one table (TensorBoard takes the columns from one run's summary: runs compared there
+# should monitor the same attribution kinds, as every shipped config does with `attention`).
 HPARAM_KEYS = ("experiment", "method.name", "model.name", "model.pretrained", "seed", "optim.lr", "optim.head_lr",
                "data.batch_size", "trainer.max_steps", "method.hard_negatives.captions")
 
@@ -398,8 +404,8 @@ def overlay_method(attributions: Sequence[str]) -> str:
 
 def overlay_figures(module: L.LightningModule, probe: Probe, count: int, method: str, options: AttributionOptions,
                     word_ends: Optional[Tensor]) -> List[np.ndarray]:
-    """Explanation figures [H, W, 3] of the first `count` probe pairs: the caption, and beside it its hard negative
-    when the probe has one."""
+    """Explanation figures [H, W, 3] of the first `count` probe pairs: the caption, and below it its hard negative
+    when the probe has one, each text in a panel of its own, at most `CARD_WIDTH_PX` wide."""
     count = min(count, len(probe))
     texts = probe.captions[:count] + [negative for negative in probe.negatives[:count] if negative]
     owners = list(range(count)) + [k for k, negative in enumerate(probe.negatives[:count]) if negative]
@@ -414,7 +420,8 @@ def overlay_figures(module: L.LightningModule, probe: Probe, count: int, method:
                                      pair.attributions, pair.heat_map,
                                      kinds=probe.token_kind_names(owner) if is_caption else None,
                                      label="caption" if is_caption else "hard negative"))
-    return [figure_pixels(explanation_figure(shown[k], [rows[k]], method, options.heads, dpi=FIGURE_DPI))
+    return [figure_pixels(explanation_figure(shown[k], [[panel] for panel in rows[k]], method, options.heads,
+                                             dpi=FIGURE_DPI, max_width=CARD_WIDTH_PX / FIGURE_DPI))
             for k in range(count)]
 
 
@@ -458,11 +465,13 @@ def hparam_values(config: dict) -> Dict[str, object]:
 
 
 def score_tags(trainer: L.Trainer) -> List[str]:
-    """The run's scores: `val/loss` (every method logs it) and the benchmark scores of this run."""
-    tags = ["val/loss"]
+    """The run's scores that this fit logged: `val/loss` when a validation ran (a run without validation,
+    `trainer.limit_val_batches: 0`, has none) and the headline scores of the benchmarks' last evaluation (at the
+    last step when the schedule finished)."""
+    tags = ["val/loss"] if "val/loss" in trainer.callback_metrics else []
     for callback in trainer.callbacks:
         if isinstance(callback, BenchmarkEvaluation) and callback.last_results:
-            tags += sorted(flat_scalars(callback.last_results))
+            tags += callback.headline_tags()
     return tags
 
 
@@ -574,8 +583,12 @@ class AttributionMonitor(L.Callback):
                      ", ".join(map(str, self.measured_steps)), self.seconds)
         writer = tensorboard_writer(trainer)
         if trainer.is_global_zero and writer is not None and self.last_results:
-            gaps = [f"attr/{method}/gap" for method in ATTRIBUTIONS]  # every kind: the same columns in every run
-            write_hparams(writer, module.hparams.get("config", {}), gaps + score_tags(trainer))
+            write_hparams(writer, module.hparams.get("config", {}), self.gap_tags() + score_tags(trainer))
+
+    def gap_tags(self) -> List[str]:
+        """`attr/<kind>/gap` of the monitored kinds whose last measurement has a gap: the hparams columns name only
+        tags that the run logs (a column of a kind it does not measure would stay empty)."""
+        return [f"attr/{method}/gap" for method, summary in self.last_results.items() if "gap" in summary.scalars()]
 
     def _measured(self, step: int) -> bool:
         return bool(self.measured_steps) and self.measured_steps[-1] == step

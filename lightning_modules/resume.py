@@ -43,20 +43,24 @@ BEST_CHECKPOINTS = "best-*.ckpt"
 # evaluates, how it reports progress, where it resumes from, how many loader workers it uses (each sample's
 # randomness is seeded by the sample, not by the worker), how many devices share the global batch (the
 # sampler interleaves one seeded order over the ranks, so every optimizer step sees the same samples on any
-# device count). A key ending in "." is a prefix (a whole section). The per-device batches derived from the
-# devices (core.config.DERIVED_KEYS) are not compared: the global batch is.
+# device count), and a guard that computes nothing (model.lora.allow_random_backbone: a run configured before it
+# existed reads it absent). A key ending in "." is a prefix (a whole section). The per-device batches derived from
+# the devices (core.config.DERIVED_KEYS) are not compared: the global batch is.
 # Changing the length re-stretches the cosine schedule from the resume step on; the change is recorded in
 # `resumes.jsonl` of the run directory, so the record says what ran.
 RESUME_SAFE_KEYS = (
     "trainer.max_steps", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.enable_progress_bar",
     "trainer.num_sanity_val_steps", "checkpoint.every_n_steps", "evaluation.", "monitor.", "resume", "resume_from",
-    "runs_root", "data.num_workers", "trainer.devices", "trainer.num_nodes",
+    "runs_root", "data.num_workers", "trainer.devices", "trainer.num_nodes", "model.lora.allow_random_backbone",
 )
 
 
-# The resume-safe keys that cannot change what a run computes: the length (trainer.max_steps / max_epochs) may
-# change on resume, but two runs of different lengths are different results, so it stays in the digest.
-RESULT_NEUTRAL_KEYS = tuple(key for key in RESUME_SAFE_KEYS if key not in ("trainer.max_steps", "trainer.max_epochs"))
+# The run's length: safe to change on resume (a longer run continues), but two runs of different lengths are
+# different results, so it stays in the digest, and a finished run is not shortened (fit.already_finished).
+LENGTH_KEYS = ("trainer.max_steps", "trainer.max_epochs")
+
+# The resume-safe keys that cannot change what a run computes (all but the length).
+RESULT_NEUTRAL_KEYS = tuple(key for key in RESUME_SAFE_KEYS if key not in LENGTH_KEYS)
 
 
 class CorruptCheckpointError(RuntimeError):

@@ -2,17 +2,26 @@
 
 - `RunLock`: one `fit` process per run directory. A second process that would write into a directory another
   one is training in is refused before it writes anything (an advisory `flock` on `<run_dir>.lock`, released
-  by the kernel when the holder dies, so a killed or preempted job never leaves a stale lock behind).
+  by the kernel when the holder dies, so a killed or preempted job never leaves a stale lock behind). A lock
+  still held after the process it names died on this host (a child that inherited the lock outlived it) is
+  recognised as stale and taken over.
 - `StopSignals`: SIGTERM, SIGINT and SIGUSR1 (SLURM's warning before a time limit or a preemption) stop
-  training at the next point between two training steps, where the loop state and the weights agree; a
-  checkpoint is written there and the process exits with 128 + the signal's number. Under SLURM, SIGUSR1 also
-  requeues the job. (Lightning's own SLURM handler saves inside the signal handler, wherever the step was:
-  halfway through a step the restored loop counts one batch twice and every later curve point is filed one
-  step late, so it is switched off, see `slurm_plugins`.) A second SIGINT interrupts at once.
+  training at the next point between two optimizer steps (with gradient accumulation, after the step's last
+  micro-batch), where the loop state and the weights agree; a checkpoint is written there and the process exits
+  with 128 + the signal's number. The signal may come to the whole process group (`scancel`, `timeout`, Ctrl-C):
+  loader workers ignore it (datamodules/loader_workers.py). Under SLURM, SIGUSR1 also requeues the job.
+  (Lightning's own SLURM handler saves inside the signal handler, wherever the step was: halfway through a step
+  the restored loop counts one batch twice and every later curve point is filed one step late, so it is
+  switched off, see `slurm_plugins`.) A second SIGTERM or SIGUSR1 changes nothing (a scheduler or `timeout` may
+  deliver one twice).
+- A Ctrl-C (SIGINT) after a stop began stops at once: the step, validation, evaluation or checkpoint write in
+  flight is abandoned and no checkpoint is written after it. Checkpoints are written to a temporary file and
+  renamed into place (the renames finish before the interrupt is raised), so the run resumes from the newest
+  complete checkpoint: the first stop's, when its write had finished.
 - `SafeStop`: what a failure leaves behind. A non-finite loss never reaches a checkpoint, and a checkpoint
   holding the weights that produced it is moved aside (`diverged-<step>.ckpt`). Any other failure between two
   steps writes a resumable checkpoint. Every early stop appends a line to `stops.jsonl` in the run directory:
-  the step, why, and the checkpoint a rerun resumes from.
+  the step, why, whether a second Ctrl-C forced it (`forced`), and the checkpoint a rerun resumes from.
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +50,7 @@ log = logging.getLogger(__name__)
 
 STOPS_RECORD = "stops.jsonl"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+FORCED_DETAIL = "a second SIGINT stopped the run at once: the work in flight was abandoned and no checkpoint written"
 
 
 class RunDirectoryBusy(RuntimeError):
@@ -84,6 +95,8 @@ class RunLock:
             except BlockingIOError:
                 handle.seek(0)
                 holder = handle.read().strip() or "another process"
+                if self._break_if_stale(handle, holder):
+                    continue
                 handle.close()
                 raise RunDirectoryBusy(
                     f"{self.path.with_suffix('')} is in use by {holder}; nothing was written. Wait for it to end, "
@@ -99,6 +112,25 @@ class RunLock:
         self._handle.flush()
         return self
 
+    def _break_if_stale(self, handle, holder: str) -> bool:
+        """Remove the lock file when the fit process it names is dead on this host (the lock is then held by a
+        process that inherited it, such as a loader worker outliving a killed run, and guards nothing); True when
+        removed (`handle` is closed then). Breakers take turns on the folder's flock and remove the file only if
+        it is still the one whose holder they read, so two of them never remove each other's new lock."""
+        if not holder_is_gone(holder):
+            return False
+        folder = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            if self._is_current(handle):
+                self.path.unlink()
+                log.warning("%s was held for %s, which is no longer running: a stale lock, taken over", self.path,
+                            holder)
+        finally:
+            os.close(folder)  # releases the folder's flock
+        handle.close()
+        return True
+
     def _is_current(self, handle) -> bool:
         try:
             return os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino
@@ -111,6 +143,32 @@ class RunLock:
             fcntl.flock(self._handle, fcntl.LOCK_UN)
             self._handle.close()
             self._handle = None
+
+
+def holder_is_gone(holder: str) -> bool:
+    """Whether the holder line a lock file names (`fit pid N on HOST since ...`) is a process of this host that is
+    no longer running (a zombie, dead but not yet reaped, counts as gone). A holder on another host, or a line in
+    another form, is taken to be running."""
+    match = re.match(r"fit pid (\d+) on (\S+) since", holder)
+    if match is None or match.group(2) != socket.gethostname():
+        return False
+    return not process_running(int(match.group(1)))
+
+
+def process_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"  # the state follows the command name
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 # ----- signals ---------------------------------------------------------------------------------------------
@@ -146,30 +204,67 @@ def requeue_slurm_job() -> None:
 class StopSignals(L.Callback):
     """Turns SIGTERM / SIGINT / SIGUSR1 into a stop at the next step boundary (see the module docstring).
 
-    The handler only records the signal and raises Lightning's stop flag (`received_sigterm`), which the
-    training loop checks between steps (and DDP ranks share from rank 0 every step); `SafeStop` then writes the
-    checkpoint. Lightning installs its SIGTERM handler when `fit` starts and calls the one found in place, this
-    one, from it; it also clears its flag then, so a signal that came while the run was being built is raised
-    again in `setup`, before any step.
+    The handler records the signal and raises Lightning's stop flag (`received_sigterm`), which the training loop
+    checks between batches (and DDP ranks share from rank 0 every batch); `SafeStop` then writes the checkpoint.
+    Between two micro-batches of one accumulated optimizer step the flag is held down until the step's last
+    micro-batch: a stop there would save a step half accumulated, whose resume trains on part of its batches.
+    Lightning installs its SIGTERM handler when `fit` starts and calls the one found in place, this one, from it;
+    it also clears its flag then, so a signal that came while the run was being built is raised again in `setup`,
+    before any step.
+
+    A SIGINT after the first stop signal is `forced`: it raises KeyboardInterrupt at once, except inside
+    `uninterrupted()` (renaming a written checkpoint into place, writing the stop record), which it waits for.
     """
 
     def __init__(self):
         self.trainer: Optional[L.Trainer] = None
         self.received: Optional[int] = None
+        self.forced = False
+        self._accumulating = False  # between two micro-batches of one optimizer step
+        self._deferring = 0
+        self._interrupt_pending = False
         self._previous: Dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: do not wait for the step to end
         if self.received is None:
-            log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
+            log.warning("received %s: stopping after the current step (a second Ctrl-C stops at once)",
+                        signal.Signals(signum).name)
             self.received = signum
+            self._raise_stop_flag()
+        elif signum == signal.SIGINT and not self.forced:
+            log.warning("received a second SIGINT: stopping at once, without a checkpoint of the work in flight")
+            self.forced = True
+            if self._deferring:
+                self._interrupt_pending = True
+            else:
+                raise KeyboardInterrupt
+
+    def _raise_stop_flag(self) -> None:
+        """Raise the flag, or hold it down until the optimizer step's last micro-batch (`on_train_batch_end`):
+        Lightning's own SIGTERM handler, which runs just before this one, raises it at any time."""
         if self.trainer is not None:
-            self.trainer._signal_connector.received_sigterm = True
+            self.trainer._signal_connector.received_sigterm = not self._accumulating
+
+    @contextmanager
+    def uninterrupted(self) -> Iterator[None]:
+        """A forced interrupt that comes inside waits for the end of the block (a few renames or one line)."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if self._interrupt_pending and not self._deferring:
+            self._interrupt_pending = False
+            raise KeyboardInterrupt
 
     def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
         if self.received is not None:
             raise SIGTERMException()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        self._accumulating = trainer.fit_loop.epoch_loop._should_accumulate()
+        if self.received is not None:  # Lightning's own SIGTERM handler raises the flag at any time
+            trainer._signal_connector.received_sigterm = not self._accumulating
 
     @contextmanager
     def installed(self, trainer: L.Trainer) -> Iterator["StopSignals"]:
@@ -185,18 +280,38 @@ class StopSignals(L.Callback):
 
     @property
     def signum(self) -> int:
-        """The signal that stopped training (SIGTERM when it came through Lightning's own handler alone)."""
+        """The signal that stopped training (SIGTERM when it came through Lightning's own handler alone; SIGINT
+        when a second Ctrl-C forced the stop)."""
+        if self.forced:
+            return signal.SIGINT
         return self.received if self.received is not None else signal.SIGTERM
 
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name
 
-    def stop_error(self, step: int, saved: Optional[Path]) -> StoppedBySignal:
-        signum, name = self.signum, self.name
-        where = f"saved {saved} (step {step})" if saved else "no checkpoint could be written"
-        return StoppedBySignal(signum, f"training stopped by {name} at step {step}; {where}. Rerun the same command "
-                                       f"to resume")
+    @property
+    def reason(self) -> str:
+        """The stop as `stops.jsonl` names it: `signal SIGTERM`, or how a forced stop came about."""
+        if not self.forced:
+            return f"signal {self.name}"
+        first = signal.Signals(self.received).name
+        signals = "SIGINT twice" if first == "SIGINT" else f"{first}, then SIGINT"
+        return f"signal {signals}: stopped at once"
+
+    def stop_error(self, step: int, outcome: Dict[str, Any]) -> StoppedBySignal:
+        """The error a stopped fit ends with: where it stopped and where a rerun resumes (`outcome`: SafeStop's)."""
+        saved, resume = outcome.get("saved"), outcome.get("resume_from")
+        if saved:
+            where = f"saved {saved} (step {checkpoint_step(saved)})"
+        elif resume:
+            where = (f"no checkpoint was written at the stop; a rerun resumes from {resume} (step "
+                     f"{checkpoint_step(resume)})")
+        else:
+            where = "no checkpoint could be written; a rerun starts over"
+        how = "stopped at once by a second SIGINT" if self.forced else f"stopped by {self.name}"
+        return StoppedBySignal(self.signum, f"training {how} at step {step}; {where}. Rerun the same command to "
+                                            f"resume")
 
 
 # ----- what a failure leaves behind ------------------------------------------------------------------------
@@ -241,9 +356,12 @@ class SafeStop(L.Callback):
       it are moved aside.
     - A signal (Lightning raises `SIGTERMException` between steps) or any other error raised between two
       training steps (a bad image in the loader, a failing validation or benchmark): the current weights are
-      written as the resume point (`save`, the run's `LastCheckpoint._save`). An error inside a step may have
+      written as the resume point (`save`, the run's `LastCheckpoint.save`). An error inside a step may have
       left the weights half-updated, and under DDP the other ranks may not reach a collective save: then the
       previous checkpoint stays the resume point.
+    - A stop forced by a second Ctrl-C writes nothing (it may have cut a step short, and it asked not to wait); one
+      that cuts the stop's own write short leaves the previous checkpoints as they were (the write is renamed into
+      place only once complete). The record says so (`forced`) and names the resume point.
     """
 
     def __init__(self, run_dir: Path, save: Callable[[L.Trainer], Optional[Path]], signals: StopSignals):
@@ -268,23 +386,39 @@ class SafeStop(L.Callback):
             return
         signalled = isinstance(exception, (SIGTERMException, KeyboardInterrupt))
         saved = None
-        if trainer.world_size == 1 or signalled:  # every DDP rank raises SIGTERMException at the same step
+        # every DDP rank raises SIGTERMException at the same step; a forced stop asked not to wait for a write
+        if (trainer.world_size == 1 or signalled) and not self.signals.forced:
             saved = self._save_between_steps(trainer)
-        reason = f"signal {self.signals.name}" if signalled else f"error: {type(exception).__name__}"
-        self._record(step, reason, str(exception), saved=saved, moved=[])
+        with self.signals.uninterrupted():
+            if signalled or self.signals.forced:
+                detail = FORCED_DETAIL if self.signals.forced else str(exception)
+                self._record(step, self.signals.reason, detail, saved=saved, moved=[])
+            else:
+                self._record(step, f"error: {type(exception).__name__}", str(exception), saved=saved, moved=[])
 
     def _save_between_steps(self, trainer: L.Trainer) -> Optional[Path]:
         if self.in_step or trainer.global_step == 0:
             return None
         try:
             return self.save(trainer)
+        except KeyboardInterrupt:  # a second Ctrl-C during the write: the write is abandoned, nothing replaced
+            log.warning("the checkpoint being written was abandoned; the previous checkpoints are as they were")
+            return None
         except Exception as err:  # the failure may be the disk itself: report, do not mask the original error
             log.warning("could not write a checkpoint after the failure: %s", err)
             return None
 
+    def record_late_interrupt(self, step: int) -> None:
+        """A second Ctrl-C that came after the stop was recorded (while the process was shutting down): one more
+        line, naming the resume point the stop left (nothing of it was lost)."""
+        with self.signals.uninterrupted():
+            self._record(step, self.signals.reason, "a second SIGINT while shutting down after the stop; the stop's "
+                         "checkpoint was already complete", saved=self.outcome.get("saved"), moved=[])
+
     def _record(self, step: int, reason: str, detail: str, saved: Optional[Path], moved: List[Path]) -> None:
         resume = resume_point(self.run_dir)
-        self.outcome = {"step": step, "reason": reason, "saved": saved, "resume_from": resume}
+        forced = self.signals.forced
+        self.outcome = {"step": step, "reason": reason, "saved": saved, "resume_from": resume, "forced": forced}
         entry = {"step": step, "reason": reason, "detail": detail.splitlines()[0] if detail else "",
-                 "saved": saved, "resume_from": resume, "moved_aside": moved}
+                 "saved": saved, "resume_from": resume, "forced": forced, "moved_aside": moved}
         append_stop_record(self.run_dir, entry)

@@ -122,9 +122,29 @@ def _pretrained_argument(pretrained: Optional[str]) -> Optional[str]:
         path = path / "open_clip.pt"
     if path.exists():
         return str(path)
+    if Path(pretrained).is_dir():
+        raise FileNotFoundError(f"model.pretrained={pretrained}: the folder holds no {path.name} (a run's export/ "
+                                f"is written when its training ends)")
     if "/" in pretrained or pretrained.endswith((".pt", ".bin", ".safetensors", ".ckpt")):
-        raise FileNotFoundError(f"model.pretrained={pretrained!r}: no such checkpoint file")
+        raise FileNotFoundError(f"model.pretrained={pretrained}: no such checkpoint file or export folder (a run's "
+                                f"export/ is written when its training ends)")
     return pretrained
+
+
+def pretrained_problem(pretrained: Optional[str]) -> Optional[str]:
+    """Why the local weights `model.pretrained` names cannot be read, found without building anything; None when
+    they exist, for random weights, and for a tag or a published checkpoint (open_clip and `modeling.published`
+    resolve those)."""
+    if not pretrained or pretrained.startswith(ZOO_PREFIX):
+        return None
+    if pretrained.startswith(HF_PREFIX):
+        folder = pretrained[len(HF_PREFIX):]
+        return None if Path(folder).is_dir() else f"model.pretrained={pretrained}: no such folder {folder}"
+    try:
+        _pretrained_argument(pretrained)
+    except FileNotFoundError as err:
+        return str(err)
+    return None
 
 
 def _export_config_dir(pretrained: Optional[str]) -> Optional[str]:
@@ -237,8 +257,9 @@ def wraps_out_projection(block: ResidualAttentionBlock) -> bool:
 
 def explicit_attention(block: ResidualAttentionBlock, x: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
     """The block's self-attention (batch-first, on the ln_1 output) from its own weights and modules, with
-    `out_proj` called as a module: the computation of `nn.MultiheadAttention`'s training path (equal to it bit for
-    bit in float32 on the CPU), which its fused inference kernel matches up to float rounding."""
+    `out_proj` called as a module: the computation of `nn.MultiheadAttention`'s training path (bit for bit where
+    both run the same kernels, as tests/test_lora.py checks for the tiny test model in float32 on the CPU; up to
+    float rounding in general), which its fused inference kernel matches up to float rounding."""
     attn = block.attn
     batch, length, width = x.shape
     qkv = F.linear(x, attn.in_proj_weight, attn.in_proj_bias)

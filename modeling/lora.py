@@ -1,9 +1,15 @@
 """LoRA adapters on the CLIP towers, through peft (`model.lora` in a config; docs/methods.md#lora).
 
 Each targeted linear layer W of a tower block becomes peft's `lora.Linear`: W x + (alpha / rank) B A dropout(x)
-with A [rank, in] (Kaiming-uniform) and B [out, rank] (zeros), so training starts from the backbone exactly. The
-targets are the block's linear layers (`TARGETS`): the attention's output projection and the two MLP layers. The
-attention's query / key / value projection is not one: `nn.MultiheadAttention` holds it as a bare packed
+with A [rank, in] (Kaiming-uniform) and B [out, rank] (zeros). A zero B adds exact zeros, so training starts from
+the backbone's function. Its values equal the backbone's bit for bit only where the explicit attention that a wrapped
+`out_proj` runs (below) uses the same kernels as `nn.MultiheadAttention`'s training path: tests/test_lora.py checks
+that for the tiny test model in float32 on the CPU; in general (a larger model such as ViT-B/32, eval mode's fused
+inference kernel, a GPU) the two agree up to float rounding. Adapters need a trained backbone (`model.pretrained`):
+on random weights they adapt nothing learnt, so fit refuses them.
+
+The targets are the block's linear layers (`TARGETS`): the attention's output projection and the two MLP layers.
+The attention's query / key / value projection is not one: `nn.MultiheadAttention` holds it as a bare packed
 parameter that the explicit attention paths (`modeling.encoders`) read directly, and peft's wrappers for it act only
 inside `nn.MultiheadAttention.forward`, which those paths do not call; it stays frozen.
 

@@ -6,11 +6,12 @@ so that machine noise hits both alike. The report gives per row the median wall 
 model, data, training, export), their ratio, and the monitor's own time (probe, measurements, figures, as the
 callback clocks it) as a share of the run without it. A benchmark, not a test.
 
-The default rows are the demo's (configs/demo/*.yaml), which read the shapes world, the preprocessing cache, the
-stage-1 backbone and TFLocal's features that `make demo` makes: run it first. `--config FILE` (repeatable, merged
+The default rows are the shapes-world recipes (configs/demo/*.yaml), which read the 64 px shapes world, its
+preprocessing cache, the stage-1 backbone and TFLocal's features: make them first with the commands of
+docs/performance.md#attribution-monitor. `--config FILE` (repeatable, merged
 as fit merges them) measures one other config instead, e.g. a paper recipe on a GPU machine. Key=value settings
 are overrides applied to every run (`trainer.max_steps=50`). Each run trains in a fresh folder under a temporary
-directory; the demo's own runs are not touched.
+directory; the recipes' own runs are not touched.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from lightning_modules import load_run_config
 from lightning_modules.fit import run
 from lightning_modules.monitor import AttributionMonitor
 
-# The demo's rows: label -> config files (`make demo` trains each with fit).
+# The shapes-world recipes' rows: label -> config files.
 ROWS: Dict[str, List[str]] = {row: [f"configs/demo/{config}.yaml"] for row, config in (
     ("pretrain", "pretrain"), ("clip_ft", "clip_ft"), ("cae", "cae"), ("macco", "macco"), ("smartclip", "smartclip"),
     ("tflocal", "tflocal"))}

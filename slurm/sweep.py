@@ -21,8 +21,14 @@ Every combination becomes one run with a stable directory named from its grid ch
 `<runs_root>/<name>/sweep.json`; array task i runs `python -m slurm.sweep --task sweep.json i` under srun.
 `--dry-run` prints the sbatch script and the runs; `--local` runs them here without SLURM, one after another
 or `--jobs N` at a time (each with cpus // N threads), with a progress line per finished run, each run's output in
-`<run>/sweep.log`, a run whose export already exists skipped (so running the sweep again resumes it), and a failed
-run reported at the end (exit status 1) without stopping the others.
+`<run>/sweep.log`, a finished run skipped (so running the sweep again resumes it), and a failed run reported at
+the end (exit status 1) without stopping the others. A run is finished when its export records the digest of its
+config now (`slurm/runs.py`, `run_state`): a finished run whose config now asks for more steps resumes from its
+last checkpoint, and a run folder that holds another experiment, or a run the config would shorten, stops the
+command before anything is written, submitted or run (a dry run too), naming the runs and keys; no run folder is
+deleted. SIGTERM or SIGINT to a `--local` sweep is passed to its running runs, each in its own process group, which
+save and exit; no further run starts, and the sweep records the stop in `<sweep directory>/stops.jsonl` and exits
+with 128 + the signal's number (`slurm/local.py`).
 
 Any other key=value argument is an override of every run's config, after the sweep file's own: `trainer.accelerator=gpu`
 moves the whole grid to a GPU (its runs' `data.num_workers: auto` then gives them loader processes, and a SLURM
@@ -50,7 +56,9 @@ record is in `DIR/<name>/runs/` is skipped (`--local`, the SLURM array and each 
 resolved config has the record's digest and its backbone (`model.pretrained`) the record's sha256, so a sweep
 run later, from a clean clone with the backbones regenerated, continues where the bundle stopped. A record that
 differs in either stops the command before anything runs, naming the runs and the differing keys: the bundle
-belongs to another study.
+belongs to another study. So does a bundle made on another world than the runs' `data.root` holds (the `world`
+checksums of the bundle's sweep.json), naming both world checksums: a world of another seed generated into the same
+folder has the same config digests.
 """
 from __future__ import annotations
 
@@ -59,6 +67,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -73,8 +82,10 @@ from core.cli import add_key_values, key_value_sections, refuse_renamed
 from core.config import GPU_ACCELERATORS, ConfigError
 from core.files import atomic_write_text
 from core.run_records import (BACKBONE, BACKBONE_NUMERICS, BACKBONE_PATH, BACKBONE_SHA256, CONFIG, CONFIG_DIGEST,
-                               backbone_weights, config_differences, export_numerics, file_sha256, read_run_record)
-from slurm.runs import RUN_LOG, SWEEP_FILE, export_complete
+                               backbone_weights, bundle_world, config_differences, export_numerics, file_sha256,
+                               read_run_record, world_problem)
+from slurm.local import LocalRuns, SweepStopped, record_sweep_stop
+from slurm.runs import FINISHED, REFUSED, RUN_LOG, SWEEP_FILE, TO_RUN, run_state
 
 SLURM_DEFAULTS = {"partition": None, "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 4, "time": "24:00:00",
                   "mem": None, "max_parallel": None, "extra": []}
@@ -340,12 +351,33 @@ def numerics_difference(stored: Optional[Mapping[str, Any]], now: Optional[Mappi
     return " (trained differently: " + "; ".join(differences) + ")"
 
 
+def world_refusal(bundle: Path, runs: Sequence[Run], runs_root: str, data_here: bool) -> Optional[str]:
+    """One line refusing the runs when their world (`data.root`) is not the one the bundle was made on, naming both
+    world checksums (core/run_records.py): a config digest names the world's folder, not its contents, so without
+    this a world of another seed in the same folder would find every run "in the bundle". None when the worlds
+    agree, when the bundle records none, or when the world is not here and the runs run elsewhere (each array
+    task checks it where it runs)."""
+    if bundle_world(bundle) is None:
+        return None
+    for root in dict.fromkeys(str(run_config(run, runs_root)["data"]["root"]) for run in runs):
+        if data_here or Path(root).is_dir():
+            problem = world_problem(bundle, Path(root))
+            if problem:
+                return problem
+    return None
+
+
 def check_bundle(sweep: Sweep, indices: Sequence[int], data_here: bool) -> Tuple[List[int], List[str]]:
     """(the tasks of `indices` whose results the sweep's bundle holds: skipped, lines naming the bundled runs
-    whose backbone is not here to check). A record of another config or backbone is a `SweepError` naming the
-    runs and what differs; so is an unchecked backbone when the runs run here (`data_here`, --local)."""
+    whose backbone is not here to check). A bundle of another world is a `SweepError` (`world_refusal`); a record of
+    another config or backbone is one naming the runs and what differs; so is an unchecked backbone when the runs
+    run here (`data_here`, --local)."""
     if not sweep.bundle:
         return [], []
+    refusal = world_refusal(Path(sweep.bundle), [sweep.runs[index] for index in indices], str(sweep.directory),
+                            data_here)
+    if refusal:
+        raise SweepError(f"refused (nothing was submitted or run): {refusal}")
     bundled: List[int] = []
     differs: Dict[str, List[int]] = {}
     unchecked: Dict[str, List[int]] = {}
@@ -368,6 +400,24 @@ def check_bundle(sweep: Sweep, indices: Sequence[int], data_here: bool) -> Tuple
                          + f"\nThe bundle belongs to another study: move {sweep.bundle} aside to start a new one, or "
                            "run the configs and backbones it was made with.")
     return bundled, lines(unchecked)
+
+
+def check_run_folders(sweep: Sweep, indices: Sequence[int]) -> None:
+    """Refuse (`SweepError`, naming each run and what differs) runs whose folder holds another run than their
+    config asks for (slurm/runs.py `run_state`): another experiment, a finished run this config would shorten, or
+    the export of another config with nothing to continue it from. Nothing is deleted or moved: the researcher
+    decides."""
+    problems: Dict[str, List[int]] = {}
+    for index in indices:
+        state, why = local_state(sweep, sweep.runs[index])
+        if state == REFUSED:
+            problems.setdefault(why, []).append(index)
+    if problems:
+        raise SweepError("run folders that hold another run than the sweep asks for (nothing was submitted or run):"
+                         "\n  - " + "\n  - ".join(f"{which_runs(sweep, tasks, len(indices))}: {why}"
+                                                  for why, tasks in problems.items())
+                         + "\nRestore the config they were trained with, give the changed runs their own sweep "
+                           "name, or move their folders aside to train them again.")
 
 
 def which_runs(sweep: Sweep, tasks: Sequence[int], checked: int) -> str:
@@ -446,6 +496,9 @@ def run_task(sweep_file: Path, index: int) -> None:
     run = Run(**document["runs"][index])
     print(f"sweep {document['name']}: task {index} -> {run.name}", flush=True)
     if document.get("bundle"):
+        refusal = world_refusal(Path(document["bundle"]), [run], document["runs_root"], data_here=True)
+        if refusal:
+            raise SystemExit(f"refused: {refusal}")
         status, details = bundle_status(Path(document["bundle"]), document["name"], run, document["runs_root"])
         if status in (DIFFERS, UNCHECKED):
             raise SystemExit(f"refused: the bundle {document['bundle']} holds another result for {run.name}: "
@@ -472,15 +525,23 @@ def task_command(sweep_file: Path, index: int) -> List[str]:
     return [sys.executable, "-m", "slurm.sweep", "--task", str(sweep_file), str(index)]
 
 
-def run_one(command: List[str], log_path: Path, threads: int) -> tuple:
-    """Run `command` with `threads` threads, appending its output to `log_path`; (return code, seconds)."""
+def run_one(runs: LocalRuns, name: str, command: List[str], log_path: Path, threads: int) -> Optional[tuple]:
+    """Run `command` with `threads` threads as run `name` of `runs` (in its own process group), appending its output
+    to `log_path`; (return code, seconds), or None when the sweep was stopped before it started."""
+    if runs.received is not None:
+        return None
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **{name: str(threads) for name in THREAD_VARIABLES}}
+    env = {**os.environ, **{variable: str(threads) for variable in THREAD_VARIABLES}}
     start = time.perf_counter()
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)} ({threads} threads)\n")
         log.flush()
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        process = runs.start(name, command, log, env)
+        if process is None:
+            log.write("not started: the sweep was stopped\n")
+            return None
+        code = process.wait()
+        runs.ended(name)
     return code, time.perf_counter() - start
 
 
@@ -489,38 +550,88 @@ def run_local(sweep: Sweep, sweep_file: Path, jobs: int = 1,
               indices: Optional[Sequence[int]] = None, bundled: Sequence[int] = ()) -> List[str]:
     """Every run of the sweep (or those of `indices`) here, `jobs` at a time; returns the names of those that failed.
 
-    A run whose export is complete is skipped (a second call resumes an interrupted sweep: fit itself resumes
-    a run that has checkpoints but no export), and so is a run of `bundled` (its results are in the sweep's
-    bundle, `check_bundle`). `command` builds a run's command line (tests swap in trivial ones). A progress line
-    is printed as each run finishes, in the order they finish.
+    A finished run is skipped: its export records the digest of its config now (slurm/runs.py `run_state`), so a
+    second call resumes an interrupted sweep (fit itself resumes a run that has checkpoints but no export, or
+    whose config now asks for more steps), and so is a run of `bundled` (its results are in the sweep's bundle,
+    `check_bundle`). `command` builds a run's command line (tests swap in trivial ones). A progress line is printed
+    as each run finishes, in the order they finish. A run is done when it exits 0 with an export of its config.
+
+    SIGTERM or SIGINT stops the sweep (slurm/local.py): passed to the running runs, which save and exit; no more
+    start; `SweepStopped` is raised once they have all ended, the stop recorded in the sweep's stops.jsonl.
     """
     command = command or task_command
     indices = range(len(sweep.runs)) if indices is None else indices
     total, threads = len(indices), local_threads(jobs)
-    pending, finished, failed = [], 0, []
-    for index, run in ((index, sweep.runs[index]) for index in indices):
-        if index in bundled:
-            finished += 1
-            print(f"[{finished}/{total}] {run.name} skipped: its results are in the bundle {sweep.bundle}", flush=True)
-        elif export_complete(sweep.directory / run.name):
-            finished += 1
-            print(f"[{finished}/{total}] {run.name} skipped: its export exists", flush=True)
-        else:
-            pending.append((index, run))
+    pending = pending_runs(sweep, indices, bundled)
+    finished = total - len(pending)
+    outcomes: Dict[str, List[str]] = {"stopped": [], "finished": [], "failed": [], "not_started": []}
     print(f"running {len(pending)} runs, {jobs} at a time, {threads} threads each", flush=True)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run_one, command(sweep_file, index), sweep.directory / run.name / RUN_LOG,
-                               threads): run for index, run in pending}
+    runs = LocalRuns()
+    with runs.forwarding(), ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_one, runs, run.name, command(sweep_file, index),
+                               sweep.directory / run.name / RUN_LOG, threads): run for index, run in pending}
         for future in as_completed(futures):
-            run, (code, seconds) = futures[future], future.result()
+            run, result = futures[future], future.result()
+            if result is None:
+                outcomes["not_started"].append(run.name)
+                continue
             finished += 1
-            log_path = sweep.directory / run.name / RUN_LOG
-            done = code == 0 and export_complete(sweep.directory / run.name)
-            status = (f"done in {seconds:.0f} s" if done else f"failed (rc {code}, log {log_path})" if code else
-                      f"ended without an export (rc 0, log {log_path})")
+            outcome, status = local_outcome(sweep, run, runs, *result)
+            outcomes[outcome].append(run.name)
             print(f"[{finished}/{total}] {run.name} {status}", flush=True)
-            failed += [] if done else [run.name]
-    return failed
+    if runs.received is not None:
+        raise sweep_stop(sweep, runs.received, outcomes)
+    return outcomes["failed"]
+
+
+def pending_runs(sweep: Sweep, indices: Sequence[int], bundled: Sequence[int]) -> List[Tuple[int, Run]]:
+    """The (index, run) of `indices` to run, in order; a line for each run skipped (in the bundle, or finished)
+    and for each finished run that continues (its config asks for more steps)."""
+    pending, skipped = [], 0
+    for index, run in ((index, sweep.runs[index]) for index in indices):
+        state, why = (FINISHED, "") if index in bundled else local_state(sweep, run)
+        if state == REFUSED:  # main refuses these before anything runs; a caller of run_local alone meets it here
+            raise SweepError(f"task {index} ({run.name}): {why}")
+        if state == TO_RUN:
+            pending.append((index, run))
+            if why:
+                print(f"{run.name}: {why}", flush=True)
+            continue
+        skipped += 1
+        reason = (f"its results are in the bundle {sweep.bundle}" if index in bundled else
+                  "finished (its export records this config)")
+        print(f"[{skipped}/{len(indices)}] {run.name} skipped: {reason}", flush=True)
+    return pending
+
+
+def local_state(sweep: Sweep, run: Run) -> Tuple[str, str]:
+    """`run_state` of the run's folder for its config now (TO_RUN without a folder: nothing to compare)."""
+    run_dir = sweep.directory / run.name
+    if not run_dir.is_dir():
+        return TO_RUN, ""
+    return run_state(run_dir, run_config(run, str(sweep.directory)))
+
+
+def local_outcome(sweep: Sweep, run: Run, runs: LocalRuns, code: int, seconds: float) -> Tuple[str, str]:
+    """(outcome, progress text) of a run that ended with status `code`: finished, stopped (by the sweep's signal:
+    resumable) or failed."""
+    log_path = sweep.directory / run.name / RUN_LOG
+    if runs.stopped_by(code):
+        return "stopped", f"stopped by {signal.Signals(code - 128).name} (rc {code}): resumes when the sweep runs again"
+    if code == 0 and local_state(sweep, run)[0] == FINISHED:
+        return "finished", f"done in {seconds:.0f} s"
+    if code:
+        return "failed", f"failed (rc {code}, log {log_path})"
+    return "failed", f"ended without an export of its config (rc 0, log {log_path})"
+
+
+def sweep_stop(sweep: Sweep, signum: int, outcomes: Dict[str, List[str]]) -> SweepStopped:
+    """The error a stopped local sweep ends with, its stop recorded in the sweep's stops.jsonl."""
+    record = record_sweep_stop(sweep.directory, signum, outcomes)
+    counts = ", ".join(f"{len(names)} {outcome.replace('_', ' ')}" for outcome, names in outcomes.items())
+    return SweepStopped(signum, f"sweep {sweep.name} stopped by {signal.Signals(signum).name}: {counts} "
+                                f"(recorded in {record}). Run the same command again to resume the stopped runs and "
+                                f"start the others")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -566,6 +677,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
             raise SweepError(f"{chosen} selects none of the {len(sweep.runs)} runs")
         missing_data = check_runs(sweep, indices, data_here=args.local)
         bundled, unchecked = check_bundle(sweep, indices, data_here=args.local)
+        check_run_folders(sweep, [index for index in indices if index not in bundled])
     except SweepError as err:
         raise SystemExit(f"sweep error: {err}") from None
     for line in missing_data:
@@ -583,7 +695,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[str]:
         return None
     sweep_file = write_sweep_file(sweep)
     if args.local:
-        failed = run_local(sweep, sweep_file, args.jobs, indices=indices, bundled=bundled)
+        try:
+            failed = run_local(sweep, sweep_file, args.jobs, indices=indices, bundled=bundled)
+        except SweepStopped as stop:
+            print(str(stop), file=sys.stderr, flush=True)
+            raise SystemExit(stop.exit_code) from None
         if failed:
             raise SystemExit(f"{len(failed)} of {len(indices)} runs failed (logs: <run>/{RUN_LOG}): "
                              + ", ".join(failed))

@@ -234,7 +234,7 @@ def test_repeated_ids_images_and_bad_encoding_are_errors(tmp_path):
     ("../../x/synthetic-images-for-original-captions/1_0.jpg,a different caption", r"line 2: caption .* caption_0"),
     ("../../x/synthetic-images-for-counterfactual-captions/9_9.jpg,b", r"line 2: example '9_9' is not in"),
     ("../../x/other-images/1_0.jpg,a", r"line 2: image_path .* is not"),
-    ("../../x/synthetic-images-for-original-captions/1_0.jpg", r"line 2 lacks image_path or caption"),
+    ("../../x/synthetic-images-for-original-captions/1_0.jpg", r"line 2 has the wrong number of cells"),
 ])
 def test_malformed_test_split_rows_name_the_file_and_line(tmp_path, row, message):
     write_examples(tmp_path, [record("1_0", "a", "b")])

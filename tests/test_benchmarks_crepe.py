@@ -92,7 +92,7 @@ def test_missing_files_and_images_are_named(tmp_path):
     (lambda text: text.replace(",\"['", ",\"[1, '", 1), "row 0: hard_negs is not a list of strings"),
     (lambda text: text.replace(f"\n{FIRST_VG_ID},", "\nVG1,", 1), "row 0: image_id is not a Visual Genome id"),
     (lambda text: text.rstrip("\n").rsplit(",", 1)[0] + ",0\n", r"row \d+: empty region"),
-    (lambda text: text.rstrip("\n").rsplit(",", 1)[0] + "\n", r"row \d+ has the wrong number of cells"),
+    (lambda text: text.rstrip("\n").rsplit(",", 1)[0] + "\n", r"line \d+ has the wrong number of cells"),
     (lambda text: text[:-40] + '"unterminated\n', "wrong number of cells|not a valid CSV"),
 ])
 def test_malformed_rows_name_the_file_and_row(tmp_path, edit, message):

@@ -141,7 +141,7 @@ def test_malformed_records_and_unmapped_datasets_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"existence.json: record 'bad' lacks an integer mturk.caption"):
         Valse(tmp_path, pieces=["existence"]).items()
     write_piece(tmp_path, "existence", {"k": record(foil="")})
-    with pytest.raises(ValueError, match=r"record 'k' lacks a non-empty string field 'foil'"):
+    with pytest.raises(ValueError, match=r"record 'k': the foil is empty"):
         Valse(tmp_path, pieces=["existence"]).items()
     write_piece(tmp_path, "existence", {"k": record(dataset="Visual Genome")})
     with pytest.raises(ValueError, match=r"dataset 'Visual Genome'.*`images` option"):

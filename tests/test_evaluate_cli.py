@@ -138,7 +138,7 @@ def test_a_run_without_an_export_is_one_line_naming_the_run_before_any_model_is_
                                                                                       monkeypatch):
     run = tmp_path / "runs" / "unfinished"
     (run / "checkpoints").mkdir(parents=True)
-    (run / "config.yaml").write_text("experiment: unfinished\n")
+    (run / "config.yaml").write_text(f"experiment: unfinished\nruns_root: {run.parent}\nresume: true\n")
     forbid_model_building(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["--run", str(run), "--benchmarks", "sugarcrepe", "--data-root", str(data_root)])

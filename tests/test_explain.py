@@ -59,12 +59,22 @@ def reference_input(built, image: Image.Image, resize: str = "aspect") -> torch.
                                transforms.ToTensor(), transforms.Normalize(OPENAI_MEAN, OPENAI_STD)])(image)
 
 
+def official_centre_crop(image: Image.Image, size: int = 64) -> torch.Tensor:
+    """The official Grad-ECLIP text explanation's image: CLIP's preprocessing (shorter side resized to the input
+    size, bicubic; the centre square cropped; OpenAI's normalisation)."""
+    return transforms.Compose([transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC),
+                               transforms.CenterCrop(size), transforms.ToTensor(),
+                               transforms.Normalize(OPENAI_MEAN, OPENAI_STD)])(image)
+
+
 def reference_rows(export_dir: Path, image_path: Path, captions, method: str, options: AttributionOptions,
-                   resize: str = "aspect"):
-    """Similarity and content-token attributions computed directly with the attribution library."""
+                   resize: str = "aspect", text_image: str = "centre_crop"):
+    """Similarity and content-token attributions computed directly with the attribution library, of the image's
+    official centre crop (`text_image="centre_crop"`) or of the image map's input (`"whole"`)."""
     built = load_export(export_dir)
     encoders = CLIPEncoders(built.model.eval())
-    pixels = reference_input(built, Image.open(image_path).convert("RGB"), resize)
+    image_file = Image.open(image_path).convert("RGB")
+    pixels = reference_input(built, image_file, resize) if text_image == "whole" else official_centre_crop(image_file)
     pixels = pixels.unsqueeze(0).repeat(len(captions), 1, 1, 1)
     ids = built.tokenizer(list(captions))
     image = F.normalize(encoders.encode_image(pixels, resize_positions=True).pooled.detach(), dim=-1)
@@ -161,7 +171,38 @@ def test_non_square_image_is_explained_on_its_own_patch_grid(run_dir, tmp_path, 
           "--out", str(out)])
     square = reference_rows(run_dir / "export", wide, [CAPTION], "grad_eclip", options, resize="square")
     assert check_outputs(out, 1, square, capsys.readouterr().out)["resize"] == "square"
-    assert square[0][0] != pytest.approx(expected[0][0], rel=1e-4, abs=1e-4)  # another input, another cosine
+    # the text map's image is the centre crop whatever the heat map's input
+    assert square[0][0] == pytest.approx(expected[0][0], rel=1e-5, abs=1e-5)
+    main(["--run", str(run_dir), "--image", str(wide), "--text", CAPTION, "--heads", "single", "--text-image",
+          "whole", "--out", str(out)])
+    whole = reference_rows(run_dir / "export", wide, [CAPTION], "grad_eclip", options, text_image="whole")
+    assert check_outputs(out, 1, whole, capsys.readouterr().out)["text_image"] == "whole"
+    assert whole[0][0] != pytest.approx(expected[0][0], rel=1e-4, abs=1e-4)  # another input, another cosine
+
+
+def test_the_text_map_explains_the_centre_crop_as_the_official_code_and_the_whole_image_on_request(run_dir, tmp_path,
+                                                                                                    capsys):
+    """Grad-ECLIP's text explanation scores the image through CLIP's preprocessing (the centre square); the image map
+    sees the whole image. `--text-image whole` [ours] explains the similarity with the image map's input instead."""
+    from evaluation.explain import centre_crop_input
+
+    wide = write_image(tmp_path / "wide.png", seed=1, size=(96, 64))
+    built = load_export(run_dir / "export")
+    assert torch.equal(centre_crop_input(built, Image.open(wide).convert("RGB")),
+                       official_centre_crop(Image.open(wide).convert("RGB")))
+    reports = {}
+    for text_image in ("centre_crop", "whole"):
+        out = tmp_path / f"{text_image}.png"
+        flags = [] if text_image == "centre_crop" else ["--text-image", text_image]  # centre_crop: the default
+        main(["--run", str(run_dir), "--image", str(wide), "--text", CAPTION, "--eclip-layers", "2", *flags,
+              "--out", str(out)])
+        expected = reference_rows(run_dir / "export", wide, [CAPTION], "grad_eclip", AttributionOptions(eclip_layers=2),
+                                  text_image=text_image)
+        reports[text_image] = check_outputs(out, 1, expected, capsys.readouterr().out)
+        assert reports[text_image]["text_image"] == text_image and reports[text_image]["resize"] == "aspect"
+    crop, whole = (reports[key]["rows"][0] for key in ("centre_crop", "whole"))
+    assert crop["similarity"] != pytest.approx(whole["similarity"], rel=1e-4, abs=1e-4)
+    assert crop["attributions"] != pytest.approx(whole["attributions"], rel=1e-3, abs=1e-4)  # beyond rounding
 
 
 def test_token_pieces_decode_bytes_and_strip_word_ends():

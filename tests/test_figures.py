@@ -73,3 +73,25 @@ def test_a_map_without_positive_relevance_says_so(image):
     blank.heat_map = np.zeros((8, 12))
     figure = explanation_figure(image, [[blank]], "attention", "multi")
     assert figure.axes[1].get_title() == "Grad-ECLIP image map, multi-head\n(no positive relevance)"
+
+
+def test_a_capped_width_narrows_the_bars_of_a_long_caption_and_keeps_every_text_legible(image):
+    """The monitor's figures must stay within TensorBoard's image card (shown at their own size, not shrunk): a long
+    caption narrows its bars, with upright labels, instead of widening the figure; no text under 8 pixels."""
+    from matplotlib.text import Text
+
+    from lightning_modules.monitor import CARD_WIDTH_PX, FIGURE_DPI
+
+    long_tokens = TOKENS * 4  # 32 tokens: unbounded, the panel would be 11 inches wide
+    rows = [[panel("caption", KINDS * 4, long_tokens)], [panel("hard negative", tokens=long_tokens)]]
+    figure = explanation_figure(image, rows, "attention", "single", FIGURE_DPI, max_width=CARD_WIDTH_PX / FIGURE_DPI)
+    assert figure_pixels(figure).shape[1] == CARD_WIDTH_PX
+    bar_charts = [axes for axes in figure.axes if axes.get_title() == "text attribution: attention"]
+    assert len(bar_charts) == 2
+    assert {label.get_rotation() for axes in bar_charts for label in axes.get_xticklabels()} == {90.0}
+    titles = sorted(figure.texts, key=lambda text: -text.get_position()[1])
+    assert [text.get_text().split(":")[0] for text in titles] == ["caption", "hard negative"]  # one above the other
+    sizes = [text.get_fontsize() * FIGURE_DPI / 72 for text in figure.findobj(Text) if text.get_text()]
+    assert min(sizes) >= 8
+    short = explanation_figure(image, [[panel("a")]], "attention", "single", FIGURE_DPI, max_width=20.0)
+    assert short.get_size_inches()[0] == pytest.approx(LAYOUT.min_width)  # a cap never widens a panel

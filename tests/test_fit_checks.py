@@ -48,7 +48,7 @@ def test_a_method_without_the_masks_it_reads_is_refused_before_the_first_step(sh
                                                                               method):
     message = fit_refusal(monkeypatch, *tiny_args(shapes_root, tmp_path, f"method.name={method}", "data.masks=false"))
     masks = " and ".join(METHODS[method].required_masks)
-    assert message == (f"training cannot start:\n  - data.masks=false: method {method} reads {masks} from every "
+    assert message == (f"training cannot start: data.masks=false: method {method} reads {masks} from every "
                        "batch: set data.masks=true and run python -m datamodules.preprocess with this run's "
                        "--config files and overrides first")
     assert not list(tmp_path.iterdir())

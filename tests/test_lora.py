@@ -34,7 +34,9 @@ from tolerance import assert_scaled_close, scaled_close
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "towers": ["image", "text"], "layers": None,
         "targets": ["out_proj", "c_fc", "c_proj"]}
-LORA_OVERRIDES = ["model.lora.rank=4", "model.lora.alpha=8"]
+# The tiny test models have random weights: adapters on them are refused unless asked for.
+RANDOM_BACKBONE = "model.lora.allow_random_backbone=true"
+LORA_OVERRIDES = ["model.lora.rank=4", "model.lora.alpha=8", RANDOM_BACKBONE]
 CAPTIONS = ["a red square left of a blue circle", "a small green triangle above a big yellow square",
             "two circles"]
 # The tiny text tower's context stretched as Long-CLIP does (77 -> 2 x 77 - 20 positions).
@@ -322,12 +324,13 @@ def test_lora_on_a_frozen_backbone_method_is_refused(shapes_root, tmp_path, meth
 
 
 def test_a_rank_larger_than_a_layer_is_refused_naming_the_layer(shapes_root, tmp_path):
-    cfg = tiny_config(shapes_root, tmp_path, "model.lora.rank=65", "model.lora.towers=[text]")
+    cfg = tiny_config(shapes_root, tmp_path, "model.lora.rank=65", "model.lora.towers=[text]", RANDOM_BACKBONE)
     with pytest.raises(InputError, match=r"rank=65 is larger than the text tower's out_proj layer \(64 -> 64"):
         check_inputs(cfg)
-    check_inputs(tiny_config(shapes_root, tmp_path, "model.lora.rank=64", "model.lora.towers=[text]"))
+    check_inputs(tiny_config(shapes_root, tmp_path, "model.lora.rank=64", "model.lora.towers=[text]", RANDOM_BACKBONE))
     result = cli("--config", str(REPO_ROOT / "configs" / "demo" / "pretrain.yaml"), f"model.name={TINY}",
-                 f"data.root={shapes_root}", "data.masks=false", "model.lora.rank=200", cwd=tmp_path / "cli")
+                 f"data.root={shapes_root}", "data.masks=false", "model.lora.rank=200", RANDOM_BACKBONE,
+                 cwd=tmp_path / "cli")
     assert result.returncode != 0 and "rank=200 is larger than the image tower's out_proj" in result.stderr
     assert not (tmp_path / "cli" / "runs").exists()
 

@@ -25,8 +25,8 @@ from fitting import method_overrides, tiny_config
 from lightning_modules import load_run_config
 from lightning_modules.fit import build_module, run
 from lightning_modules.methods import REGISTRY
-from lightning_modules.monitor import (FIGURE_DPI, AttributionMonitor, ProbeSettings, build_attribution_monitor,
-                                       build_probe, eval_mode)
+from lightning_modules.monitor import (CARD_WIDTH_PX, FIGURE_DPI, AttributionMonitor, ProbeSettings,
+                                       build_attribution_monitor, build_probe, eval_mode)
 from modeling.attribution import TextAttributionInputs, attribution_options, group_means, text_attribution
 from parsers.scene_graph import SceneGraphParser
 from parsers.token_alignment import spans_to_token_mask
@@ -38,7 +38,7 @@ STEPS = 4
 EVERY = 2
 GROUPS = ("obj", "comp", "gap", "attribute", "relation")
 SMALL_ALIGNER = ["method.aligner_width=32", "method.aligner_layers=1", "method.aligner_heads=2"]
-# One figure panel at the monitor's resolution; a caption and its hard negative make two side by side.
+# One figure panel at the monitor's resolution; a caption and its hard negative make two, one above the other.
 PANEL_PIXELS = (round(LAYOUT.min_width * FIGURE_DPI), round(LAYOUT.height * FIGURE_DPI))
 
 
@@ -57,6 +57,12 @@ def read_events(run_dir: Path) -> EventAccumulator:
                               size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0})
     events.Reload()
     return events
+
+
+def hparams_columns(events) -> list:
+    """The metric columns of the run's hparams summary (what TensorBoard's HPARAMS tab shows), in order."""
+    content = events.PluginTagToContent("hparams")["_hparams_/experiment"]
+    return [metric.name.tag for metric in hparams_metadata.parse_experiment_plugin_data(content).metric_infos]
 
 
 def steps_of(events, kind: str, tag: str) -> list:
@@ -113,12 +119,19 @@ def test_scalars_at_step_zero_every_n_steps_and_figures_at_the_first_and_last(mo
         assert steps_of(events, "Images", f"attr_boxplot/{method}") == [0, 4], method
     for k in range(OVERLAYS):
         assert steps_of(events, "Images", f"attr_overlay/{k}") == [0, 4]
-        # the caption and its hard negative side by side
-        assert image_size(events, f"attr_overlay/{k}") == (2 * PANEL_PIXELS[0], PANEL_PIXELS[1])
     assert f"attr_overlay/{OVERLAYS}" not in events.Tags()["images"]
     histogram = events.Histograms(f"attr_hist/{MONITORED[0]}/gap")[-1].histogram_value
     assert histogram.num == int(monitored_run["monitor"].probe.valid.sum()) > 0  # one value per valid caption
     assert monitored_run["monitor"].measured_steps == [0, 2, 4]
+
+
+def test_a_caption_and_its_hard_negative_are_stacked_within_the_width_of_a_tensorboard_card(monitored_run):
+    """Side by side, the two panels made an image twice the card's width that TensorBoard shrank until no caption
+    could be read: each text has a panel of its own, the negative below the caption, at the card's width."""
+    for k in range(OVERLAYS):
+        width, height = image_size(monitored_run["events"], f"attr_overlay/{k}")
+        assert width <= CARD_WIDTH_PX
+        assert (width, height) == (PANEL_PIXELS[0], 2 * PANEL_PIXELS[1])
 
 
 def independent_probe(cfg, module):
@@ -308,10 +321,25 @@ def test_every_run_writes_the_custom_scalars_layout_and_the_final_gap_into_hpara
     for kind in DEFAULT_KINDS:
         assert charts[f"{kind}: gap = A_comp - A_obj"] == [rf"^attr/{kind}/gap$"]
     hparams = events.PluginTagToContent("hparams")
-    experiment = hparams_metadata.parse_experiment_plugin_data(hparams["_hparams_/experiment"])
-    assert {"attr/attention/gap", "attr/gradient/gap", "val/loss"} <= {m.name.tag for m in experiment.metric_infos}
+    # no validation (limit_val_batches=0), no benchmarks: the final gap of the kind it monitors is the one column
+    assert hparams_columns(events) == [f"attr/{kind}/gap" for kind in DEFAULT_KINDS]
     start = hparams_metadata.parse_session_start_info_plugin_data(hparams["_hparams_/session_start_info"])
     assert start.hparams["method/name"].string_value == method_run["method"]
+
+
+def test_every_hparams_column_is_a_tag_the_run_logged(shapes_root, tmp_path):
+    """HPARAMS fills a column with the last value of its tag: a column whose tag the run never logs stays empty (a
+    kind it does not monitor, val/loss of a run without validation, benchmark scores never computed). Every column
+    has values in the event files: the monitored gap, val/loss and the benchmark's headline scores, scored at the
+    last step too (4 is the evaluation's cadence, 6 the end)."""
+    run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=6", "evaluation.benchmarks=[shapes_swap]",
+                    "evaluation.every_n_steps=4", f"evaluation.roots.shapes_swap={shapes_root}"))
+    events = read_events(tmp_path / "demo_pretrain")
+    columns, logged = hparams_columns(events), set(events.Tags()["scalars"])
+    assert [tag for tag in columns if tag not in logged or not events.Scalars(tag)] == []
+    assert sorted(columns) == ["attr/attention/gap", "eval/shapes_swap/group", "eval/shapes_swap/image",
+                               "eval/shapes_swap/text", "val/loss"]
+    assert steps_of(events, "Scalars", "eval/shapes_swap/group") == [4, 6]
 
 
 def test_a_frozen_backbone_is_measured_once_and_logged_at_every_step(method_run):

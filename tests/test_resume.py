@@ -16,6 +16,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from datamodules.inputs import InputError
 from lightning_modules.fit import run
 from lightning_modules.resume import CorruptCheckpointError, ResumeConfigError, choose_resume_checkpoint, damage
 from fitting import REPO_ROOT, TINY, tiny_config
@@ -132,7 +133,7 @@ def test_resume_from_names_the_checkpoint_and_refuses_a_missing_or_damaged_one(s
     assert f"Resuming from {kept}" in capfd.readouterr().out
     resumes = [json.loads(line) for line in (tmp_path / "demo_pretrain" / "resumes.jsonl").read_text().splitlines()]
     assert resumes[-1]["step"] == 2 and resumes[-1]["checkpoint"] == str(kept)
-    with pytest.raises(FileNotFoundError, match="resume_from"):
+    with pytest.raises(InputError, match="resume_from=.*nope.ckpt: no such checkpoint file"):  # before building
         run(tiny_config(shapes_root, tmp_path, "trainer.max_steps=5", f"resume_from={tmp_path / 'nope.ckpt'}", *base))
     truncate(kept)
     with pytest.raises(CorruptCheckpointError, match="resume_from"):

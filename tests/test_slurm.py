@@ -292,7 +292,7 @@ def test_a_run_that_ends_without_an_export_is_not_done(tmp_path, capsys):
     sweep = load_sweep(local_sweep(tmp_path, seeds=2))
     failed = run_local(sweep, write_sweep_file(sweep), command=python_command("pass", export=False))
     assert sorted(failed) == ["seed-0", "seed-1"]
-    assert "seed-0 ended without an export (rc 0" in capsys.readouterr().out
+    assert "seed-0 ended without an export of its config (rc 0" in capsys.readouterr().out
 
 
 def test_runs_with_an_export_are_skipped_so_a_rerun_resumes(tmp_path, capsys):
@@ -305,7 +305,7 @@ def test_runs_with_an_export_are_skipped_so_a_rerun_resumes(tmp_path, capsys):
         f"open({str(ran)!r}, 'a').write(str(index))"))
     assert failed == [] and ran.read_text() == "1"
     out = capsys.readouterr().out
-    assert "[1/3] seed-0 skipped: its export exists" in out and "[2/3] seed-2 skipped" in out
+    assert "[1/3] seed-0 skipped: finished (its export records this config)" in out and "[2/3] seed-2 skipped" in out
     assert "[3/3] seed-1 done in" in out
 
 

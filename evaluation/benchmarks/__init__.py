@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Type
 
+from evaluation.benchmarks.annotations import DamagedBenchmarkData
 from evaluation.benchmarks.aro import ARO_MEAN, COCOOrder, Flickr30kOrder, VGAttribution, VGRelation
 from evaluation.benchmarks.base import Benchmark, ImageRef, Item, ItemBenchmark, MissingBenchmarkData
 from evaluation.benchmarks.coco_counterfactuals import CocoCounterfactuals, CocoCounterfactualsTest
@@ -55,5 +56,5 @@ def build_benchmark(name: str, root, **options) -> Benchmark:
     return BENCHMARKS[name](root, **options)
 
 
-__all__ = ["BENCHMARKS", "COMBINED", "Benchmark", "CombinedAggregate", "Composite", "ImageRef", "Item", "ItemBenchmark",
-           "MissingBenchmarkData", "build_benchmark"]
+__all__ = ["BENCHMARKS", "COMBINED", "Benchmark", "CombinedAggregate", "Composite", "DamagedBenchmarkData", "ImageRef",
+           "Item", "ItemBenchmark", "MissingBenchmarkData", "build_benchmark"]

@@ -41,6 +41,8 @@ import numpy as np
 
 from core.files import atomic_write_text
 from evaluation.benchmarks import perturbations
+from evaluation.benchmarks.annotations import (DamagedBenchmarkData, load_json_list, read_json, require, required_text,
+                                               required_texts)
 from evaluation.benchmarks.base import (
     ImageRef,
     Item,
@@ -49,7 +51,6 @@ from evaluation.benchmarks.base import (
     Outcome,
     beats_all,
     grouped_percent,
-    load_json_list,
     macro,
     percent,
 )
@@ -86,12 +87,10 @@ def pre_caption(caption: str, max_words: int = MAX_WORDS) -> str:
 
 
 def _require(path: Path, index: int, record: object, fields: Sequence[str]) -> None:
-    """A ValueError naming the file, the record index and the missing field(s)."""
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}: record {index} is a {type(record).__name__}, not an object")  # noqa: TRY004
+    """A `DamagedBenchmarkData` naming the file, the record index and the missing field(s)."""
+    require(isinstance(record, dict), f"{path}: record {index} is a {type(record).__name__}, not an object")
     missing = [name for name in fields if name not in record]
-    if missing:
-        raise ValueError(f"{path}: record {index} lacks {', '.join(missing)}")
+    require(not missing, f"{path}: record {index} lacks {', '.join(missing)}")
 
 
 ARO_HOME = "https://github.com/mertyg/vision-language-models-are-bows"
@@ -127,10 +126,11 @@ class _VisualGenomeBenchmark(JsonListBenchmark):
         try:
             box = tuple(float(record[name]) for name in _BBOX_FIELDS)
         except (TypeError, ValueError) as error:
-            raise ValueError(f"{path}: record {index} has a non-numeric bbox field ({error})") from None
+            raise DamagedBenchmarkData(f"{path}: record {index} has a non-numeric bbox field ({error})") from None
         image = ImageRef(str(self.images / record["image_path"]), box=box)
-        return Item(id=str(index), images=[image], texts=[record["false_caption"], record["true_caption"]],
-                    meta={self.group_key: self._group(path, index, record)})
+        texts = [required_text(record[field], f"{path}: record {index}", field)
+                 for field in ("false_caption", "true_caption")]
+        return Item(id=str(index), images=[image], texts=texts, meta={self.group_key: self._group(path, index, record)})
 
     @abstractmethod
     def _group(self, path: Path, index: int, record: dict) -> str:
@@ -183,8 +183,8 @@ class VGAttribution(_VisualGenomeBenchmark):
     def _group(self, path: Path, index: int, record: dict) -> str:
         _require(path, index, record, ("attributes",))
         attributes = record["attributes"]
-        if not isinstance(attributes, list) or len(attributes) != 2:
-            raise ValueError(f"{path}: record {index} has attributes {attributes!r}, expected a 2-element list")
+        require(isinstance(attributes, list) and len(attributes) == 2,
+                f"{path}: record {index} has attributes {attributes!r}, expected a 2-element list")
         return f"{attributes[0]}_{attributes[1]}"
 
     @staticmethod
@@ -251,9 +251,7 @@ class _OrderBenchmark(ItemBenchmark):
         pairs = []
         for index, record in enumerate(load_json_list(path)):
             _require(path, index, record, ("image", "caption"))
-            captions = record["caption"]
-            if not isinstance(captions, list) or not all(isinstance(c, str) for c in captions):
-                raise ValueError(f"{path}: record {index} has a 'caption' that is not a list of strings")
+            captions = required_texts(record["caption"], f"{path}: record {index}")
             pairs.extend((f"{index}/{number}", record["image"], caption) for number, caption in enumerate(captions))
         return pairs
 
@@ -274,8 +272,12 @@ class _OrderBenchmark(ItemBenchmark):
         path = self.cache_path
         if not path.is_file():
             return None
-        cache = json.loads(path.read_text(encoding="utf-8"))
-        if cache.get("captions_sha1") != fingerprint:
+        try:
+            cache = read_json(path)
+        except DamagedBenchmarkData:  # made here from the captions, so made again rather than fetched again
+            log.warning("%s: %s is not a whole JSON file; rebuilding it", self.name, path)
+            return None
+        if not isinstance(cache, dict) or cache.get("captions_sha1") != fingerprint:
             log.warning("%s: %s was built from other captions; rebuilding it", self.name, path)
             return None
         return cache["texts"]

@@ -19,7 +19,6 @@ re-join words with spaces ("vegetables , chicken"), which CLIP's tokenizer maps 
 """
 from __future__ import annotations
 
-import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -29,8 +28,9 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 import numpy as np
 
-# ImageRef lives with the image reading (images.py imports nothing of this package), so this module can import it
-# without a circle; the benchmarks import it from here as before.
+# The annotation readers and the image reading import nothing of this package, so this module can import them
+# without a circle; the benchmarks import ImageRef and the data errors from here as before.
+from evaluation.benchmarks.annotations import MissingBenchmarkData, load_json_list, required_text
 from evaluation.benchmarks.images import ImageRef, image_file_name
 from evaluation.benchmarks.sources import DataSource, Published
 
@@ -59,10 +59,6 @@ class ImageOrigin:
 
     source: str
     id: Optional[int] = None
-
-
-class MissingBenchmarkData(FileNotFoundError):
-    """A benchmark root without the files the benchmark reads; the message lists them."""
 
 
 class Benchmark(ABC):
@@ -100,6 +96,12 @@ class Benchmark(ABC):
     def image_refs(self) -> List[ImageRef]:
         """Every image the benchmark reads (used by the leakage guard and the missing-image check)."""
         return []
+
+    def read_annotations(self) -> None:
+        """Read and check every annotation file the benchmark scores from (the result is cached), so that damaged
+        input (`DamagedBenchmarkData`) stops a run before any model is built. The default reads what `image_refs`
+        reads; a benchmark whose texts come from other files reads those too."""
+        self.image_refs()
 
     # Whether the benchmark stores Visual Genome images under their bare ids (`<root>/images/2315375.jpg`: ARO's
     # VG sets, What'sUp's GQA sets). Elsewhere a bare number is not read as a VG id: Flickr30k names look alike.
@@ -143,8 +145,21 @@ class ItemBenchmark(Benchmark):
     def image_refs(self) -> List[ImageRef]:
         return unique(ref for item in self.items() for ref in item.images)
 
-    def outcomes(self, scorer: "Scorer", progress: bool = False) -> List[Outcome]:
+    def read_annotations(self) -> None:
+        self.checked_items()
+
+    def checked_items(self) -> List[Item]:
+        """`items()`, every text checked non-empty (`required_text`): the readers check the texts of their files
+        where they read them, naming the record; this catches a text that a reader derives empty (a caption of
+        punctuation only, cleaned) and any reader that forgets."""
         items = self.items()
+        for item in items:
+            for k, text in enumerate(item.texts):
+                required_text(text, f"{self.name}: item {item.id} (read from {self.root})", f"text {k}")
+        return items
+
+    def outcomes(self, scorer: "Scorer", progress: bool = False) -> List[Outcome]:
+        items = self.checked_items()
         scorer.prepare(unique(ref for item in items for ref in item.images),
                        unique(text for item in items for text in item.texts), progress=progress)
         return [self.outcome(item, scorer.score(item.images, item.texts)) for item in items]
@@ -177,34 +192,7 @@ class JsonListBenchmark(ItemBenchmark):
 
     @abstractmethod
     def _item(self, path: Path, index: int, record) -> Item:
-        """The item of record `index` of the file `path` (malformed records: ValueError naming both)."""
-
-
-def read_text(path: Path, encoding: str = "utf-8") -> str:
-    """An annotation file's text; a file in another encoding (or cut inside a character) is a ValueError naming it."""
-    try:
-        return Path(path).read_bytes().decode(encoding)
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not a UTF-8 text file ({error}); copy it again from the benchmark's release") \
-            from error
-
-
-def read_json(path: Path):
-    """An annotation file's JSON content; a file that is not UTF-8 JSON (truncated, another encoding) is a
-    ValueError naming it."""
-    text = read_text(path)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not a whole JSON file ({error}); copy it again from the benchmark's release") \
-            from error
-
-
-def load_json_list(path: Path) -> list:
-    """A JSON file that must hold a list of records."""
-    records = read_json(path)
-    require(isinstance(records, list), f"{path}: expected a JSON list of records, found {type(records).__name__}")
-    return records
+        """The item of record `index` of the file `path` (malformed records: `DamagedBenchmarkData` naming both)."""
 
 
 def unique(values: Iterable) -> list:
@@ -329,8 +317,9 @@ def visual_genome_id_from_name(path: str, bare_ids: bool = False) -> Optional[in
     return int(bare.group(1)) if bare and (bare_ids or pure.parent.name in _VG_FOLDERS) else None
 
 
-def require(condition: bool, message: str) -> None:
-    """A malformed annotation is a ValueError that names the file and the record (project convention)."""
+def check_option(condition: bool, message: str) -> None:
+    """A benchmark option out of its range is a ValueError (not a data error: `--all` must not pass over the
+    benchmark as if its files were absent)."""
     if not condition:
         raise ValueError(message)
 

@@ -57,9 +57,6 @@ ranks. Its progress bars therefore say "image queries" for the caption pass and 
 """
 from __future__ import annotations
 
-import csv
-import io
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -67,8 +64,9 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from evaluation.benchmarks.base import (GENERATED, Benchmark, ImageOrigin, ImageRef, Outcome, Scorer, read_text,
-                                        require, unique)
+from evaluation.benchmarks.annotations import read_csv_records, read_jsonl, require, required_text
+from evaluation.benchmarks.base import (GENERATED, Benchmark, ImageOrigin, ImageRef, Outcome, Scorer, check_option,
+                                        unique)
 from evaluation.benchmarks.retrieval import RECALL_AT, CocoRetrieval, Ranks, retrieval_ranks
 from evaluation.benchmarks.sources import DataSource, Download, published
 
@@ -145,19 +143,15 @@ class PairTable:
 # --- files ------------------------------------------------------------------------------------------------
 
 def read_examples(path: Path) -> list[dict]:
-    """The records of `data/examples.jsonl`, each checked for the five string fields; ids unique."""
+    """The records of `data/examples.jsonl`, each checked for the five string fields (the captions non-empty); ids
+    unique."""
     records, ids = [], set()
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: line {number} is not JSON ({error})") from error
-        require(isinstance(record, dict), f"{path}: line {number} is not a JSON object")
+    for number, record in read_jsonl(path):
         for field in FIELDS:
             require(isinstance(record.get(field), str),
                     f"{path}: line {number} (id {record.get('id')!r}) lacks the string field {field!r}")
+        for field in ("caption_0", "caption_1"):
+            required_text(record[field], f"{path}: line {number} (id {record['id']!r})", field)
         require(record["id"] not in ids, f"{path}: line {number} repeats id {record['id']!r}")
         ids.add(record["id"])
         records.append(record)
@@ -174,19 +168,13 @@ def example_pairs(records: Sequence[dict], images: Path) -> list[Pair]:
 def read_test_split(path: Path, records: Sequence[dict], images: Path) -> list[Pair]:
     """The rows of the authors' `test-coco-cfs.csv`, in file order, as pairs of the examples they name."""
     by_id = {record["id"]: record for record in records}
-    reader = csv.DictReader(io.StringIO(read_text(path), newline=""))
-    require(reader.fieldnames is not None and {"image_path", "caption"} <= set(reader.fieldnames),
-            f"{path}: expected the columns image_path and caption, found {reader.fieldnames}")
-    pairs = []
-    for line, row in enumerate(reader, start=2):
-        pairs.append(_split_pair(row, by_id, images, f"{path}: line {line}"))
-    return pairs
+    return [_split_pair(row, by_id, images, f"{path}: line {line}")
+            for line, row in read_csv_records(path, ("image_path", "caption"))]
 
 
 def _split_pair(row: dict, by_id: dict, images: Path, where: str) -> Pair:
     """The pair a test-split row names: `<folder>/<id>.jpg` is image 0 or 1 of example `id`, with its caption."""
-    image_path, caption = row.get("image_path"), row.get("caption")
-    require(isinstance(image_path, str) and isinstance(caption, str), f"{where} lacks image_path or caption")
+    image_path, caption = row["image_path"], required_text(row["caption"], where)
     parts = PurePosixPath(image_path).parts
     folder, name = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", image_path)
     require(folder in SPLIT_FOLDERS and name.endswith(".jpg"),
@@ -254,7 +242,7 @@ class CocoCounterfactuals(Benchmark):
 
     def __init__(self, root: str | Path, images: str | Path | None = None, chunk_size: int = 1024):
         super().__init__(root)
-        require(chunk_size >= 1, f"chunk_size must be positive, got {chunk_size}")
+        check_option(chunk_size >= 1, f"chunk_size must be positive, got {chunk_size}")
         self.images = Path(images) if images else self.root / "data" / "images"
         self.chunk_size = chunk_size
 

@@ -56,8 +56,9 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from evaluation.benchmarks.annotations import read_json, require, required_text
 from evaluation.benchmarks.base import (VISUAL_GENOME, ImageOrigin, ImageRef, Item, ItemBenchmark, Outcome, Scorer,
-                                        percent, read_json, require, visual_genome_id_from_name)
+                                        percent, visual_genome_id_from_name)
 from evaluation.benchmarks.sources import DataSource, Download, published
 
 log = logging.getLogger(__name__)
@@ -145,8 +146,8 @@ class ColaMultiObject(ItemBenchmark):
                 f"{path}: record {index} is not [image 0 URL, caption 0, image 1 URL, caption 1]: {record!r:.200}")
         names = [url_file_name(record[0]), url_file_name(record[2])]
         require(all(names), f"{path}: record {index} has an image URL without a file name: {record!r:.200}")
-        return Item(id=str(index), images=[ImageRef(str(self.images / name)) for name in names],
-                    texts=[record[1], record[3]])
+        texts = [required_text(record[k], f"{path}: record {index}", f"caption {n}") for n, k in enumerate((1, 3))]
+        return Item(id=str(index), images=[ImageRef(str(self.images / name)) for name in names], texts=texts)
 
     def outcome(self, item: Item, similarity: np.ndarray) -> Outcome:
         return {"id": item.id, **multi_object_scores(similarity)}
@@ -185,13 +186,15 @@ def positive_ties_negative(scores: Sequence[float], targets: Sequence[bool]) -> 
 
 
 def label_caption(label, where: str) -> str:
-    """A label's caption: the string, or a `[[attribute, ...], object]` pair as its words joined by spaces."""
-    if isinstance(label, str) and label:
-        return label
+    """A label's caption: the string, or a `[[attribute, ...], object]` pair as its words joined by spaces; the
+    caption and every word of a pair must be non-empty."""
+    if isinstance(label, str):
+        return required_text(label, where, "label")
     pair = isinstance(label, list) and len(label) == 2 and isinstance(label[0], list) and isinstance(label[1], str)
     require(pair and all(isinstance(word, str) for word in label[0]),
             f"{where}: a label is a caption or [[attribute, ...], object], found {label!r:.200}")
-    return " ".join([*label[0], label[1]])
+    words = [*label[0], label[1]]
+    return " ".join(required_text(word, where, f"label word {k}") for k, word in enumerate(words))
 
 
 def split_single_object_file(content, path: Path) -> tuple[list, list]:
@@ -216,8 +219,7 @@ def zero_one_rows(rows: list, width: int, path: Path, field: str) -> np.ndarray:
                 f"{path}: record {index}: {field} must be a list of {width} numbers (one per label)")
     matrix = np.asarray(rows, dtype=np.float64).reshape(len(rows), width)
     bad = np.argwhere(~np.isin(matrix, (0.0, 1.0)))
-    if len(bad):
-        raise ValueError(f"{path}: record {bad[0][0]}: {field} values must be 0 or 1")
+    require(not len(bad), f"{path}: record {bad[0][0] if len(bad) else ''}: {field} values must be 0 or 1")
     return matrix == 1
 
 

@@ -25,12 +25,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
+from evaluation.benchmarks.annotations import load_json_list, read_parquet_rows, require
 from evaluation.benchmarks.base import (GENERATED, ImageOrigin, ImageRef, Item, MissingBenchmarkData, Outcome,
-                                        load_json_list, require)
-from evaluation.benchmarks.images import read_parquet_rows
+                                        check_option)
 from evaluation.benchmarks.sources import DataSource, published
-from evaluation.benchmarks.two_by_two import (SCORES, TEST_SHARD_PATTERNS, TwoByTwoBenchmark, find_test_shards,
-                                              grouped_scores, overall_scores, require_columns, require_fields)
+from evaluation.benchmarks.two_by_two import (SCORES, TEST_SHARD_PATTERNS, TwoByTwoBenchmark, caption_pair,
+                                              find_test_shards, grouped_scores, overall_scores, require_fields)
 
 COLUMNS = {"id": int, "caption_1": str, "caption_2": str, "image_source": str, "caption_source": str}
 IMAGE_COLUMNS = ("image_1", "image_2")
@@ -66,7 +66,7 @@ class ColorSwap(TwoByTwoBenchmark):
     published = published({"text": 35.67, "image": 15.0, "group": 12.0}, "vl_compo")
 
     def __init__(self, root: str | Path, layout: str = "auto", images: str | Path | None = None):
-        require(layout in LAYOUTS, f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        check_option(layout in LAYOUTS, f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         super().__init__(root)
         self.layout = self._present_layout(layout)
         self.images = Path(images) if images else self.root / "data"
@@ -99,7 +99,7 @@ class ColorSwap(TwoByTwoBenchmark):
         for shard in find_test_shards(self.root):
             for row, record in enumerate(_shard_records(shard)):
                 images = [ImageRef(str(shard), member=f"{column}:{row}") for column in IMAGE_COLUMNS]
-                items.append(_item(record, images))
+                items.append(_item(record, images, f"{shard}: row {row}"))
         return items
 
     def _json_items(self) -> list[Item]:
@@ -108,7 +108,8 @@ class ColorSwap(TwoByTwoBenchmark):
         for index, record in enumerate(load_json_list(path)):
             require(isinstance(record, dict), f"{path}: record {index} is not a JSON object")
             require_fields(record, {**COLUMNS, **dict.fromkeys(IMAGE_COLUMNS, str)}, f"{path}: record {index}")
-            items.append(_item(record, [ImageRef(str(self.images / record[column])) for column in IMAGE_COLUMNS]))
+            items.append(_item(record, [ImageRef(str(self.images / record[column])) for column in IMAGE_COLUMNS],
+                               f"{path}: record {index}"))
         return items
 
     @staticmethod
@@ -120,20 +121,14 @@ class ColorSwap(TwoByTwoBenchmark):
                                  "{score}/caption_source/{group}")}
 
 
-def _item(record: dict, images: list[ImageRef]) -> Item:
-    return Item(id=str(record["id"]), images=images, texts=[record["caption_1"], record["caption_2"]],
+def _item(record: dict, images: list[ImageRef], where: str) -> Item:
+    return Item(id=str(record["id"]), images=images, texts=caption_pair(record, ("caption_1", "caption_2"), where),
                 meta={key: record[key] for key in ColorSwap.outcome_fields})
 
 
 def _shard_records(shard: Path) -> list[dict]:
-    """The text columns of one parquet shard, each row checked; a file pyarrow cannot read is named."""
-    import pyarrow as pa
-
-    try:
-        require_columns(shard, [*COLUMNS, *IMAGE_COLUMNS])
-        records = read_parquet_rows(shard, COLUMNS)
-    except (OSError, pa.ArrowException) as error:  # a truncated shard: pyarrow's message does not name it
-        raise ValueError(f"{shard}: cannot read the parquet shard ({error})") from error
+    """The text columns of one parquet shard, each row checked."""
+    records = read_parquet_rows(shard, COLUMNS, IMAGE_COLUMNS)
     for row, record in enumerate(records):
         require_fields(record, COLUMNS, f"{shard}: row {row}")
     return records

@@ -48,7 +48,6 @@ stand-in only (`testkit/standin/crepe.py`).
 from __future__ import annotations
 
 import ast
-import csv
 import logging
 from collections.abc import Sequence
 from functools import cached_property
@@ -56,7 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent, read_text, require
+from evaluation.benchmarks.annotations import DamagedBenchmarkData, read_csv_records, require, required_text
+from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, check_option, percent
 from evaluation.benchmarks.sources import DataSource, published
 
 log = logging.getLogger(__name__)
@@ -84,18 +84,7 @@ def csv_name(negative_type: str, complexity: int) -> str:
 
 def read_rows(path: Path) -> list[dict]:
     """The records of one CSV file; a file that is not UTF-8 CSV with the expected columns names itself."""
-    text = read_text(path)
-    try:
-        reader = csv.DictReader(text.splitlines(), strict=True)
-        missing = [column for column in COLUMNS if column not in (reader.fieldnames or ())]
-        require(not missing, f"{path}: missing column(s) {', '.join(missing)}")
-        rows = list(reader)
-    except csv.Error as error:
-        raise ValueError(f"{path}: not a valid CSV file ({error})") from error
-    for number, row in enumerate(rows):
-        # DictReader puts the cells of a short line under None values, those of a long one under a None key
-        require(None not in row and None not in row.values(), f"{path}: row {number} has the wrong number of cells")
-    return rows
+    return [row for _, row in read_csv_records(path, COLUMNS)]
 
 
 def _number(value: str, where: str, column: str) -> float | int:
@@ -103,7 +92,7 @@ def _number(value: str, where: str, column: str) -> float | int:
     try:
         number = float(value)
     except ValueError:
-        raise ValueError(f"{where}: {column} is not a number ({value!r})") from None
+        raise DamagedBenchmarkData(f"{where}: {column} is not a number ({value!r})") from None
     require(np.isfinite(number), f"{where}: {column} is not finite ({value!r})")
     return int(number) if number.is_integer() else number
 
@@ -113,10 +102,10 @@ def _negatives(value: str, where: str) -> list[str]:
     try:
         negatives = ast.literal_eval(value)
     except (ValueError, SyntaxError):
-        raise ValueError(f"{where}: hard_negs is not a Python list literal ({value[:80]!r})") from None
+        raise DamagedBenchmarkData(f"{where}: hard_negs is not a Python list literal ({value[:80]!r})") from None
     require(isinstance(negatives, (list, tuple)) and all(isinstance(text, str) for text in negatives),
             f"{where}: hard_negs is not a list of strings ({value[:80]!r})")
-    return list(negatives)
+    return [required_text(text, where, f"hard_negs[{k}]") for k, text in enumerate(negatives)]
 
 
 def rank_outcome(similarity_row: np.ndarray) -> dict:
@@ -163,7 +152,7 @@ class CrepeProductivity(ItemBenchmark):
     def __init__(self, root: str | Path, images: str | Path | None = None, crop: bool = True,
                  types: Sequence[str] = TYPES):
         unknown = sorted(set(types) - set(TYPES))
-        require(not unknown and len(types) > 0, f"types must be among {', '.join(TYPES)}, got {list(types)}")
+        check_option(not unknown and len(types) > 0, f"types must be among {', '.join(TYPES)}, got {list(types)}")
         self.types = tuple(t for t in TYPES if t in types)  # read by required_files() during the base check
         super().__init__(root)
         self.images = Path(images) if images else self.root
@@ -199,12 +188,12 @@ class CrepeProductivity(ItemBenchmark):
         where = f"{path}: row {number}"
         image_id = row["image_id"].strip()
         require(image_id.isdigit(), f"{where}: image_id is not a Visual Genome id ({row['image_id']!r})")
-        require(row["caption"] != "", f"{where}: empty caption")
+        caption = required_text(row["caption"], where)
         box = tuple(_number(row[column], where, column) for column in ("x", "y", "width", "height"))
         require(box[2] > 0 and box[3] > 0, f"{where}: empty region (width {box[2]}, height {box[3]})")
         return Item(id=f"{negative_type}/{complexity}/{number}",
                     images=[ImageRef(self._image_path(int(image_id)), box=box if self.crop else None)],
-                    texts=[row["caption"], *_negatives(row["hard_negs"], where)],
+                    texts=[caption, *_negatives(row["hard_negs"], where)],
                     meta={"type": negative_type, "complexity": complexity})
 
     def _image_path(self, image_id: int) -> str:

@@ -55,7 +55,6 @@ softmax in float32 (fp16 unless `MODEL.CLIP_FP32`), where large margins saturate
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -69,8 +68,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evaluation.benchmarks.base import (OTHER, Benchmark, ImageOrigin, ImageRef, Outcome, Scorer, percent, read_json,
-                                        read_text, require, unique)
+from evaluation.benchmarks.annotations import DamagedBenchmarkData, read_json, read_text, require, required_texts
+from evaluation.benchmarks.base import OTHER, Benchmark, ImageOrigin, ImageRef, Outcome, Scorer, percent, unique
 from evaluation.benchmarks.sources import DataSource, published
 from evaluation.benchmarks.zeroshot import class_ranks
 
@@ -133,12 +132,12 @@ class Task:
 @lru_cache(maxsize=1)
 def load_tasks() -> dict[str, Task]:
     """The 21 tasks of `tasks.json`, in `TASKS` order."""
-    records = json.loads(TASKS_FILE.read_text(encoding="utf-8"))["tasks"]
-    if tuple(records) != TASKS:
-        raise ValueError(f"{TASKS_FILE}: tasks {list(records)} are not {list(TASKS)}")
+    records = read_json(TASKS_FILE)["tasks"]
+    require(tuple(records) == TASKS, f"{TASKS_FILE}: tasks {list(records)} are not {list(TASKS)}")
     fields = ("dataset", "metric", "type", "format", "root_folder", "index", "num_images", "center_crop", "labelmap")
     return {name: Task(name=name, **{key: record[key] for key in fields}, archives=tuple(record["archives"]),
-                       classes=tuple(record["classes"]), templates=tuple(record["templates"]))
+                       classes=tuple(required_texts(record["classes"], f"{TASKS_FILE}: {name}", "classes")),
+                       templates=tuple(required_texts(record["templates"], f"{TASKS_FILE}: {name}", "templates")))
             for name, record in records.items()}
 
 
@@ -223,7 +222,7 @@ def check_members(index: Path, samples: Sequence[Sample]) -> None:
             with zipfile.ZipFile(archive) as handle:
                 names = set(handle.namelist())
         except zipfile.BadZipFile as err:
-            raise ValueError(f"{archive}: not a readable zip archive ({err}); download it again") from err
+            raise DamagedBenchmarkData(f"{archive}: not a readable zip archive ({err}); download it again") from None
         absent = [sample.image.member for sample in members if sample.image.member not in names]
         require(not absent, f"{index}: {len(absent)} images are not in {archive}, e.g. {absent[:3]}")
 

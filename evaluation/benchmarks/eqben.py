@@ -62,8 +62,9 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluation.benchmarks.annotations import read_json, require, required_text
 from evaluation.benchmarks.base import (GENERATED, OTHER, ImageOrigin, ImageRef, Item, MissingBenchmarkData, Outcome,
-                                        percent, read_json, require)
+                                        percent)
 from evaluation.benchmarks.sources import DataSource, published
 from evaluation.benchmarks.two_by_two import SCORES, TwoByTwoBenchmark, overall_scores
 
@@ -200,6 +201,7 @@ class EqBen(TwoByTwoBenchmark):
             where = f"{path}: pair {index}"
             require(isinstance(entry, dict) and isinstance(entry.get("image"), str)
                     and isinstance(entry.get("caption"), str), f"{where} lacks image or caption (strings)")
+            required_text(entry["caption"], where)
             count = self._check_info(info, where)
             require(sources.setdefault(count, info["dataset"]) == info["dataset"],
                     f"{where}: item {count} has pairs in {sources[count]} and {info['dataset']}")
@@ -263,8 +265,9 @@ class EqBen(TwoByTwoBenchmark):
         for image in images:
             require(image.endswith(".npy") == (source == NPY_SOURCE),
                     f"{where}: {image!r}: {NPY_SOURCE} frames are .npy files and no other image is")
-        return Item(id=item_id, images=[ImageRef(self._image_path(image)) for image in images],
-                    texts=list(captions), meta={"source": source})
+        texts = [required_text(caption, where, f"caption{k}") for k, caption in enumerate(captions)]
+        return Item(id=item_id, images=[ImageRef(self._image_path(image)) for image in images], texts=texts,
+                    meta={"source": source})
 
     def _image_path(self, image: str) -> str:
         if self.png_as_jpg and image.endswith(".png"):

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.benchmarks.base import (ImageRef, Item, ItemBenchmark, MissingBenchmarkData, Outcome, beats_all,
-                                        percent, read_json, require)
+from evaluation.benchmarks.annotations import read_json, require, required_text
+from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, MissingBenchmarkData, Outcome, beats_all, percent
 from evaluation.benchmarks.sources import DataSource, Download, published
 
 COMMIT = "609f07611aed2599f946c30d730f40a41af1079b"
@@ -148,7 +148,7 @@ class ImageCoDe(ItemBenchmark):
             require(isinstance(descriptions, dict) and descriptions, f"{where}: expected {{gold index: description}}")
             for key, text in descriptions.items():
                 require(key in GOLD_KEYS, f"{where}: gold index must be 0..{IMAGES_PER_SET - 1}, found {key!r}")
-                require(isinstance(text, str) and text.strip(), f"{where}, index {key}: the description is empty")
+                required_text(text, f"{where}, index {key}", "description")
             sets[set_name] = {int(key): text for key, text in descriptions.items()}
         return sets
 

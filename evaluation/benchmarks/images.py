@@ -125,13 +125,6 @@ def parquet_image_names(path: str, column: str) -> List[Optional[str]]:
     return pq.read_table(path, columns=[f"{column}.path"]).column(0).to_pylist()
 
 
-def read_parquet_rows(path: Path, columns: Iterable[str]) -> List[dict]:
-    """The given (non-image) columns of a parquet file as a list of row dicts."""
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path, columns=list(columns)).to_pylist()
-
-
 def missing_files(refs: Iterable[ImageRef]) -> List[str]:
     """Distinct files among `refs` (images or containers) that do not exist."""
     return sorted({ref.path for ref in refs if not Path(ref.path).is_file()})

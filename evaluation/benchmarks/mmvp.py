@@ -32,8 +32,6 @@ does not report ViT-B/32 (its figure lists ViT-L/14 and larger models).
 """
 from __future__ import annotations
 
-import csv
-import io
 from collections import defaultdict
 from functools import cached_property
 from pathlib import Path
@@ -42,7 +40,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent, read_text, require
+from evaluation.benchmarks.annotations import read_csv_rows, require, required_text
+from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent
 from evaluation.benchmarks.sources import DataSource, published
 from evaluation.benchmarks.two_by_two import SCORES, two_by_two_scores
 
@@ -170,16 +169,15 @@ class MMVPVLM(ItemBenchmark):
 
 
 def read_questions(path: Path) -> list[tuple[int, int, str, str]]:
-    """The rows of Questions.csv after its header, as (line, question id, type, statement); a ValueError names
-    the file and line."""
-    text = read_text(path, encoding="utf-8-sig")  # a byte-order mark would otherwise stick to the header
-    reader = csv.reader(io.StringIO(text, newline=""))
-    require(next(reader, None) is not None, f"{path}: empty file")
-    rows = []
-    for fields in reader:
-        line = reader.line_num
+    """The rows of Questions.csv after its header, as (line, question id, type, statement); a
+    `DamagedBenchmarkData` names the file and line."""
+    rows = read_csv_rows(path, encoding="utf-8-sig")  # a byte-order mark would otherwise stick to the header
+    require(bool(rows), f"{path}: empty file")
+    questions = []
+    for line, fields in rows[1:]:
         require(len(fields) == 3, f"{path}: line {line} has {len(fields)} fields, not Question ID,Type,Statement")
         qid, folder, statement = fields
         require(qid.strip().isdigit(), f"{path}: line {line}: question id {qid!r} is not a whole number")
-        rows.append((line, int(qid), folder, statement))
-    return rows
+        # the prompt prefix would hide an empty statement from the item-level check
+        questions.append((line, int(qid), folder, required_text(statement, f"{path}: line {line}", "statement")))
+    return questions

@@ -20,7 +20,8 @@ Option `images` is the folder the paths above are joined to; default `<root>/fli
 Karpathy Flickr file (bare file names) and `<root>` otherwise (COCO paths carry `val2014/`, BLIP Flickr paths
 `flickr30k-images/`).
 
-Captions are used raw (clip_benchmark's convention), stripped of surrounding whitespace. Option
+Captions are used raw (clip_benchmark's convention), stripped of surrounding whitespace; an empty one (or one
+that `pre_caption` empties) is a damaged file, refused. Option
 `pre_caption=True` applies BLIP's `pre_caption` instead (`aro.pre_caption`: lowercase, `.!"()*#:;~` to
 spaces, at most 30 words), as ARO's retrieval loaders do (docs/evaluation.md#traps: reproductions of COCO
 I2T R@5 differ by about 2 points between protocols).
@@ -39,7 +40,6 @@ the same `scorer.score` calls, which must return the same values (checked).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -49,6 +49,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
+from evaluation.benchmarks.annotations import read_json, require, required_text, required_texts
 from evaluation.benchmarks.aro import pre_caption as blip_pre_caption
 from evaluation.benchmarks.base import Benchmark, ImageRef, MissingBenchmarkData, Outcome, percent, Scorer, unique
 from evaluation.benchmarks.sources import DataSource, published
@@ -109,14 +110,17 @@ class _Retrieval(Benchmark):
     def data(self) -> CaptionedImages:
         """Images and captions of the split, read from the first annotation file found."""
         if self.annotation_file is not None:
-            records = read_coco_captions(self.root / self.annotation_file, self.images or self.root)
+            path = self.root / self.annotation_file
+            records = read_coco_captions(path, self.images or self.root)
         elif (self.root / self.karpathy_file).exists():
-            images = self.images or self.root / self.karpathy_image_dir
-            records = read_karpathy(self.root / self.karpathy_file, images, self.split)
+            path, images = self.root / self.karpathy_file, self.images or self.root / self.karpathy_image_dir
+            records = read_karpathy(path, images, self.split)
         else:
-            records = read_blip(self.root / self.blip_file.format(split=self.split), self.images or self.root)
+            path = self.root / self.blip_file.format(split=self.split)
+            records = read_blip(path, self.images or self.root)
         clean = blip_pre_caption if self.pre_caption else str.strip  # ARO's max_words=30
-        return captioned_images([(image, [clean(c) for c in captions]) for image, captions in records])
+        cleaned = [(image, [clean(c) for c in captions]) for image, captions in records]
+        return captioned_images(cleaned, path)
 
     def image_refs(self) -> list[ImageRef]:
         return unique(self.data.images)
@@ -197,12 +201,14 @@ def read_karpathy(path: Path, images: Path, split: str) -> list[tuple[ImageRef, 
     for index, entry in enumerate(data["images"]):
         _require(entry, ("filename", "split", "sentences"), path, f"images[{index}]")
         if entry["split"] != split:
-            continue
+            continue  # the file holds every split; only this one's captions are the benchmark's
+        require(isinstance(entry["sentences"], list), f"{path}: images[{index}].sentences is not a list")
+        captions = [required_text(_field(sentence, "raw", path, f"images[{index}].sentences[{k}]"),
+                                  f"{path}: images[{index}].sentences[{k}]", "raw")
+                    for k, sentence in enumerate(entry["sentences"])]
         folder = images / entry["filepath"] if "filepath" in entry else images
-        captions = [_field(sentence, "raw", path, f"images[{index}].sentences") for sentence in entry["sentences"]]
         records.append((ImageRef(str(folder / entry["filename"])), captions))
-    if not records:
-        raise ValueError(f"{path}: no image has split {split!r}")
+    require(bool(records), f"{path}: no image has split {split!r}")
     return records
 
 
@@ -211,10 +217,9 @@ def read_blip(path: Path, images: Path) -> list[tuple[ImageRef, list[str]]]:
     records = []
     for index, entry in enumerate(_load_json(path, list)):
         _require(entry, ("image", "caption"), path, f"[{index}]")
-        if not isinstance(entry["caption"], list):
-            problem = "is not a list of captions (a BLIP train file has one per record; use the val/test files)"
-            raise ValueError(f"{path}: [{index}].caption {problem}")  # noqa: TRY004 (malformed file)
-        records.append((ImageRef(str(images / entry["image"])), list(entry["caption"])))
+        require(isinstance(entry["caption"], list), f"{path}: [{index}].caption is not a list of captions (a BLIP "
+                                                    "train file has one per record; use the val/test files)")
+        records.append((ImageRef(str(images / entry["image"])), required_texts(entry["caption"], f"{path}: [{index}]")))
     return records
 
 
@@ -225,23 +230,23 @@ def read_coco_captions(path: Path, images: Path) -> list[tuple[ImageRef, list[st
     captions: dict[int, list[str]] = {}
     for index, annotation in enumerate(data["annotations"]):
         _require(annotation, ("image_id", "caption"), path, f"annotations[{index}]")
-        captions.setdefault(annotation["image_id"], []).append(annotation["caption"])
+        caption = required_text(annotation["caption"], f"{path}: annotations[{index}]")
+        captions.setdefault(annotation["image_id"], []).append(caption)
     records = []
     for index, image in enumerate(data["images"]):
         _require(image, ("id", "file_name"), path, f"images[{index}]")
         records.append((ImageRef(str(images / image["file_name"])), captions.pop(image["id"], [])))
-    if captions:
-        raise ValueError(f"{path}: annotations refer to image ids not in images: {sorted(captions)[:5]}")
+    require(not captions, f"{path}: annotations refer to image ids not in images: {sorted(captions)[:5]}")
     return records
 
 
-def captioned_images(records: Sequence[tuple[ImageRef, list[str]]]) -> CaptionedImages:
-    """Flatten per-image caption lists; an image without captions cannot be an I2T query."""
+def captioned_images(records: Sequence[tuple[ImageRef, list[str]]], path: Path) -> CaptionedImages:
+    """Flatten per-image caption lists read from `path`; an image without captions cannot be an I2T query, and a
+    caption its cleaning left empty (`pre_caption` of punctuation only) would be scored as the empty string."""
     for image, captions in records:
-        if not captions:
-            raise ValueError(f"image {image.path} has no captions")
-        if not all(isinstance(c, str) for c in captions):
-            raise ValueError(f"image {image.path} has a caption that is not a string")
+        require(bool(captions), f"{path}: image {image.path} has no captions")
+        for caption in captions:
+            required_text(caption, f"{path}: image {image.path}", "caption (as cleaned)")
     return CaptionedImages(images=[image for image, _ in records],
                            captions=[c for _, captions in records for c in captions],
                            caption_image=np.array([i for i, (_, cs) in enumerate(records) for _ in cs], dtype=np.int64))
@@ -250,17 +255,14 @@ def captioned_images(records: Sequence[tuple[ImageRef, list[str]]]) -> Captioned
 def _load_json(path: Path, kind: type):
     if not path.exists():
         raise MissingBenchmarkData(f"{path} does not exist")
-    data = json.loads(path.read_text())
-    if not isinstance(data, kind):
-        # malformed files are ValueErrors throughout the benchmarks, whatever is wrong with them
-        found = type(data).__name__
-        raise ValueError(f"{path}: expected a JSON {kind.__name__} at top level, got {found}")  # noqa: TRY004
+    data = read_json(path)
+    require(isinstance(data, kind), f"{path}: expected a JSON {kind.__name__} at top level, got {type(data).__name__}")
     return data
 
 
 def _require(record: object, keys: Sequence[str], path: Path, where: str) -> None:
-    if not isinstance(record, dict) or any(key not in record for key in keys):
-        raise ValueError(f"{path}: {where} lacks one of the keys {list(keys)}")
+    require(isinstance(record, dict) and all(key in record for key in keys),
+            f"{path}: {where} lacks one of the keys {list(keys)}")
 
 
 def _field(record: object, key: str, path: Path, where: str):

@@ -44,8 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluation.benchmarks.annotations import load_json_list, require, required_text, required_texts
 from evaluation.benchmarks.base import (GENERATED, ImageOrigin, ImageRef, Item, ItemBenchmark, MissingBenchmarkData,
-                                        Outcome, load_json_list, percent, require)
+                                        Outcome, percent)
 from evaluation.benchmarks.sources import DataSource, Download, published
 
 SUBSETS = ("absolute_size", "relative_size", "absolute_spatial", "relative_spatial", "existence", "count")
@@ -78,8 +79,9 @@ def choice_outcome(scores: np.ndarray, label: int) -> dict[str, object]:
             "strict": bool(scores[label] == top and not tie)}
 
 
-def check_record(record: object, path: Path, index: int) -> None:
-    """`{"query": str, "keys": [str, ...], "label": int in range}`; a ValueError naming file and record.
+def check_record(record: object, path: Path, index: int, direction: str) -> None:
+    """`{"query": str, "keys": [str, ...], "label": int in range}`; a `DamagedBenchmarkData` naming file and record.
+    The texts (the keys of an image-to-text record, the query of a text-to-image one) must be non-empty.
 
     Repeated candidates are accepted, as the authors' loader accepts them: they score alike and show as ties.
     """
@@ -89,6 +91,10 @@ def check_record(record: object, path: Path, index: int) -> None:
     keys = record.get("keys")
     require(isinstance(keys, list) and len(keys) > 0 and all(isinstance(key, str) for key in keys),
             f"{where}: 'keys' must be a non-empty list of strings")
+    if direction == "i2t":
+        required_texts(keys, where, "keys")
+    else:
+        required_text(record["query"], where, "query")
     label = record.get("label")
     require(isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(keys),
             f"{where}: 'label' must be an index into its {len(keys)} keys, got {label!r}")
@@ -160,7 +166,7 @@ class Spec(ItemBenchmark):
         path = folder / ANNOTATION_FILES[direction]
         items = []
         for index, record in enumerate(load_json_list(path)):
-            check_record(record, path, index)
+            check_record(record, path, index, direction)
             meta = {"subset": subset, "direction": direction, "label": record["label"]}
             if direction == "i2t":
                 images, texts = [ImageRef(str(folder / record["query"]))], list(record["keys"])

@@ -22,6 +22,8 @@ STS-B (`stsb`), the original test split (1,379 pairs; the GLUE test split hides 
   comma-separated (read from the header line), with standard CSV quoting.
 Option `split` (default "test") names the file.
 
+Both sentences of every pair read must be non-empty: an empty one is a damaged file, refused.
+
 CLIP's tokenizer truncates at 77 tokens (the scorer's tokenizer does); a handful of long STS-B sentences
 are cut. How many is not counted here, as the benchmark has no tokenizer.
 """
@@ -37,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluation.benchmarks.annotations import (DamagedBenchmarkData, read_csv_records, read_csv_rows, read_text,
+                                               require, required_text)
 from evaluation.benchmarks.base import Benchmark, MissingBenchmarkData, Outcome, Scorer, unique
 from evaluation.benchmarks.sources import DataSource
 
@@ -65,6 +69,9 @@ class _SentencePairs(Benchmark):
     @abstractmethod
     def read_pairs(self) -> list[SentencePair]:
         """The pairs of the chosen split, from the benchmark's own file format."""
+
+    def read_annotations(self) -> None:
+        self.pairs  # no images: the pairs are the files to check
 
     def outcomes(self, scorer: Scorer, progress: bool = False) -> list[Outcome]:
         pairs = self.pairs
@@ -139,47 +146,41 @@ class STSB(_SentencePairs):
 
 def _read_sick(path: Path) -> list[tuple[SentencePair, str]]:
     """(pair, SemEval_set or "") per row of a SICK file with a header, columns found by name."""
-    with open(path, newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
-        _require_columns(reader.fieldnames, ("pair_ID", "sentence_A", "sentence_B", "relatedness_score"), path)
-        return [(SentencePair(row["pair_ID"], row["sentence_A"], row["sentence_B"],
-                              _score(row["relatedness_score"], path, f"pair_ID {row['pair_ID']}")),
-                 row.get("SemEval_set") or "") for row in reader]
+    records = read_csv_records(path, ("pair_ID", "sentence_A", "sentence_B", "relatedness_score"), delimiter="\t",
+                               quoting=csv.QUOTE_NONE)
+    return [(_pair(row["pair_ID"], row["sentence_A"], row["sentence_B"], row["relatedness_score"],
+                   f"{path}: pair_ID {row['pair_ID']} (line {line})"), row.get("SemEval_set") or "")
+            for line, row in records]
 
 
 def _read_sts_original(path: Path) -> list[SentencePair]:
     """The original STS-B `sts-*.csv`: no header; score, sentence1, sentence2 are columns 5-7 (1-based)."""
     pairs = []
-    with open(path, newline="", encoding="utf-8") as handle:
-        for line, row in enumerate(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
-            if len(row) < 7:
-                raise ValueError(f"{path}: line {line} has {len(row)} tab-separated columns, expected at least 7")
-            pairs.append(SentencePair(str(line - 1), row[5], row[6], _score(row[4], path, f"line {line}")))
+    for number, (line, row) in enumerate(read_csv_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE)):
+        require(len(row) >= 7, f"{path}: line {line} has {len(row)} tab-separated columns, expected at least 7")
+        pairs.append(_pair(str(number), row[5], row[6], row[4], f"{path}: line {line}"))
     return pairs
 
 
 def _read_sts_headered(path: Path) -> list[SentencePair]:
     """A headered STS-B file (sentence-transformers / MTEB export), tab- or comma-separated."""
-    with open(path, newline="", encoding="utf-8") as handle:
-        delimiter = "\t" if "\t" in handle.readline() else ","
-        handle.seek(0)
-        reader = csv.DictReader(handle, delimiter=delimiter)
-        _require_columns(reader.fieldnames, ("sentence1", "sentence2", "score"), path)
-        return [SentencePair(str(n), row["sentence1"], row["sentence2"], _score(row["score"], path, f"row {n}"))
-                for n, row in enumerate(reader)]
+    delimiter = "\t" if "\t" in read_text(path).partition("\n")[0] else ","
+    records = read_csv_records(path, ("sentence1", "sentence2", "score"), delimiter=delimiter)
+    return [_pair(str(n), row["sentence1"], row["sentence2"], row["score"], f"{path}: line {line}")
+            for n, (line, row) in enumerate(records)]
 
 
-def _require_columns(header: Sequence[str] | None, columns: Sequence[str], path: Path) -> None:
-    missing = [column for column in columns if column not in (header or [])]
-    if missing:
-        raise ValueError(f"{path}: header lacks columns {missing} (found {list(header or [])})")
+def _pair(pair_id: str, first: str, second: str, score: str, where: str) -> SentencePair:
+    """A pair whose sentences are non-empty and whose gold score is a number."""
+    return SentencePair(pair_id, required_text(first, where, "first sentence"),
+                        required_text(second, where, "second sentence"), _score(score, where))
 
 
-def _score(text: str | None, path: Path, where: str) -> float:
+def _score(text: str | None, where: str) -> float:
     try:
         return float(text)
     except (TypeError, ValueError):
-        raise ValueError(f"{path}: {where} has a gold score that is not a number: {text!r}") from None
+        raise DamagedBenchmarkData(f"{where} has a gold score that is not a number: {text!r}") from None
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:

@@ -19,13 +19,13 @@ Reference numbers, OpenAI CLIP ViT-B/32 (from the BiVLC authors' per-item outcom
 """
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from evaluation.benchmarks.annotations import read_json, require, required_text
 from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent
 from evaluation.benchmarks.sources import COCO_VAL2017, DataSource, github_file, published
 
@@ -77,10 +77,18 @@ class SugarCrepe(ItemBenchmark):
         return [item for subset in SUBSETS for item in self._subset_items(subset)]
 
     def _subset_items(self, subset: str) -> List[Item]:
-        entries = json.loads((self.root / f"{subset}.json").read_text())
-        return [Item(id=f"{subset}/{key}", images=[ImageRef(str(self.images / entry["filename"]))],
-                     texts=[entry["caption"], entry["negative_caption"]], meta={"subset": subset})
-                for key, entry in entries.items()]
+        path = self.root / f"{subset}.json"
+        entries = read_json(path)
+        require(isinstance(entries, dict), f"{path}: expected a JSON object keyed by item, found "
+                                           f"{type(entries).__name__}")
+        return [self._item(subset, key, entry, f"{path}: item {key!r}") for key, entry in entries.items()]
+
+    def _item(self, subset: str, key: str, entry: object, where: str) -> Item:
+        require(isinstance(entry, dict) and isinstance(entry.get("filename"), str),
+                f"{where} is not {{filename, caption, negative_caption}}: {entry!r:.200}")
+        texts = [required_text(entry.get(field), where, field) for field in ("caption", "negative_caption")]
+        return Item(id=f"{subset}/{key}", images=[ImageRef(str(self.images / entry["filename"]))], texts=texts,
+                    meta={"subset": subset})
 
     def outcome(self, item: Item, similarity: np.ndarray) -> Outcome:
         caption, negative = similarity[0, 0], similarity[0, 1]

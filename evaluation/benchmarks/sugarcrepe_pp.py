@@ -43,8 +43,8 @@ from typing import Optional
 
 import numpy as np
 
-from evaluation.benchmarks.base import (ImageRef, Item, ItemBenchmark, Outcome, Scorer, load_json_list, percent,
-                                        require, unique)
+from evaluation.benchmarks.annotations import load_json_list, require, required_text
+from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, Scorer, percent, unique
 from evaluation.benchmarks.sources import DataSource, Download, published
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class SugarCrepePP(ItemBenchmark):
                     f"{where} lacks an integer 'id'")
             for field in FIELDS:
                 require(isinstance(record.get(field), str), f"{where} (id {record['id']}) lacks a string {field!r}")
+            for field in FIELDS[1:]:  # the three texts
+                required_text(record[field], f"{where} (id {record['id']})", field)
             require(record["id"] not in seen, f"{where}: id {record['id']} repeats")
             seen.add(record["id"])
             items.append(Item(id=f"{subset}/{record['id']}", images=[ImageRef(str(self.images / record["filename"]))],
@@ -146,7 +148,7 @@ class SugarCrepePP(ItemBenchmark):
         return items
 
     def outcomes(self, scorer: Scorer, progress: bool = False) -> list[Outcome]:
-        items = self.items()
+        items = self.checked_items()
         scorer.prepare(unique(ref for item in items for ref in item.images),
                        unique(text for item in items for text in item.texts), progress=progress)
         text_text = self.text_only_similarities(scorer, items)

@@ -32,8 +32,6 @@ subj_neg 84.07, verb_neg 79.73, obj_neg 88.62, mean 84.14 (on the images vl_comp
 """
 from __future__ import annotations
 
-import csv
-import io
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.benchmarks.base import (OTHER, ImageOrigin, ImageRef, Item, ItemBenchmark, Outcome, Scorer, percent,
-                                        read_text, require)
+from evaluation.benchmarks.annotations import read_csv_records, require, required_text
+from evaluation.benchmarks.base import OTHER, ImageOrigin, ImageRef, Item, ItemBenchmark, Outcome, Scorer, percent
 from evaluation.benchmarks.sources import DataSource, github_file, published
 
 log = logging.getLogger(__name__)
@@ -94,27 +92,17 @@ def _image_id(value: str, where: str, column: str) -> int:
 
 
 def read_rows(path: Path) -> list[SvoRow]:
-    """Every data row of `svo_probes.csv`, in file order; malformed input is a ValueError naming the file (and
-    row: its 1-based line number, the header being line 1). Extra columns (a pandas index) are ignored."""
-    text = read_text(path)
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    missing = [column for column in COLUMNS if column not in (reader.fieldnames or [])]
-    require(not missing, f"{path}: missing column(s) {', '.join(missing)}")
-    rows = []
-    try:
-        for index, record in enumerate(reader):
-            rows.append(_row(record, index, f"{path}: line {reader.line_num}"))
-    except csv.Error as error:  # an unterminated quote at the end of a truncated file
-        raise ValueError(f"{path}: line {reader.line_num}: {error}") from error
-    return rows
+    """Every data row of `svo_probes.csv`, in file order; malformed input (a row cut short, an empty sentence,
+    scored or not) is a `DamagedBenchmarkData` naming the file and the row's line (the header being line 1). Extra
+    columns (a pandas index) are ignored."""
+    return [_row(record, index, f"{path}: line {line}")
+            for index, (line, record) in enumerate(read_csv_records(path, COLUMNS))]
 
 
 def _row(record: dict, index: int, where: str) -> SvoRow:
-    # DictReader fills the columns a short (truncated) row lacks with None.
-    absent = [column for column in COLUMNS if record.get(column) is None]
-    require(not absent, f"{where} lacks {', '.join(absent)} (truncated file?)")
     flags = {name: _flag(record[name], where, name) for name in NEGATIVE_TYPES}
-    return SvoRow(index=index, sentence=record["sentence"], negative=negative_type(flags),
+    return SvoRow(index=index, sentence=required_text(record["sentence"], where, "sentence"),
+                  negative=negative_type(flags),
                   pos_image_id=_image_id(record["pos_image_id"], where, "pos_image_id"),
                   neg_image_id=_image_id(record["neg_image_id"], where, "neg_image_id"))
 

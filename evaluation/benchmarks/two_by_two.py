@@ -13,7 +13,6 @@ shapes world's 2-way caption accuracy, is recomputed from stored outcomes.
 """
 from __future__ import annotations
 
-import json
 import re
 from abc import abstractmethod
 from collections import Counter, defaultdict
@@ -23,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluation.benchmarks.annotations import read_json, read_jsonl, read_parquet_rows, require, required_text
 from evaluation.benchmarks.base import (GENERATED, ImageOrigin, ImageRef, Item, ItemBenchmark, MissingBenchmarkData,
-                                         Outcome, percent, read_text, require)
+                                        Outcome, check_option, percent)
 from evaluation.benchmarks.sources import DataSource, published
-from evaluation.benchmarks.images import read_parquet_rows
 
 SCORES = ("text", "image", "group")
 
@@ -88,32 +87,15 @@ class TwoByTwoBenchmark(ItemBenchmark):
                 **two_by_two_scores(similarity)}
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a JSON-lines file (blank lines skipped); ValueError naming the bad line."""
-    records = []
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: line {number} is not JSON ({error})") from error
-            require(isinstance(record, dict), f"{path}: line {number} is not a JSON object")
-            records.append(record)
-    return records
-
-
 def require_fields(record: dict, fields: dict[str, type | tuple[type, ...]], where: str) -> None:
     """Every field present with the expected type."""
     for field, kind in fields.items():
         require(isinstance(record.get(field), kind), f"{where} lacks field {field!r} of type {kind}")
 
 
-def require_columns(path: Path, columns: Sequence[str]) -> None:
-    """The parquet file has every column the loader reads."""
-    import pyarrow.parquet as pq
-
-    missing = sorted(set(columns) - set(pq.read_schema(path).names))
-    require(not missing, f"{path}: missing column(s) {', '.join(missing)}")
+def caption_pair(record: dict, fields: Sequence[str], where: str) -> list[str]:
+    """The item's two captions, the values of `fields`, each non-empty."""
+    return [required_text(record.get(field), where, field) for field in fields]
 
 
 # ---------------------------------------------------------------- parquet test shards (Winoground, BiVLC)
@@ -190,7 +172,7 @@ class Winoground(TwoByTwoBenchmark):
 
     def __init__(self, root: str | Path, images: str | Path | None = None, source: str = "auto"):
         super().__init__(root)
-        require(source in ("auto", "jsonl", "parquet"), f"source must be auto, jsonl or parquet, got {source!r}")
+        check_option(source in ("auto", "jsonl", "parquet"), f"source must be auto, jsonl or parquet, got {source!r}")
         if source == "auto":
             source = "parquet" if find_test_shards(self.root) else "jsonl"
         self.source = source
@@ -213,21 +195,20 @@ class Winoground(TwoByTwoBenchmark):
     def _jsonl_items(self) -> list[Item]:
         path = self.root / WINOGROUND_JSONL
         items = []
-        for record in read_jsonl(path):
-            require_fields(record, {**WINOGROUND_FIELDS, "image_0": str, "image_1": str},
-                           f"{path}: record {record.get('id')!r}")
+        for _, record in read_jsonl(path):
+            where = f"{path}: record {record.get('id')!r}"
+            require_fields(record, {**WINOGROUND_FIELDS, "image_0": str, "image_1": str}, where)
             images = [ImageRef(str(self.images / f"{record[key]}.png")) for key in ("image_0", "image_1")]
-            items.append(self._item(record, images))
+            items.append(self._item(record, images, where))
         return items
 
     def _parquet_items(self) -> list[Item]:
         items = []
         for shard in find_test_shards(self.root):
-            require_columns(shard, [*WINOGROUND_FIELDS, "image_0", "image_1"])
-            for row, record in enumerate(read_parquet_rows(shard, WINOGROUND_FIELDS)):
+            for row, record in enumerate(read_parquet_rows(shard, WINOGROUND_FIELDS, ("image_0", "image_1"))):
                 require_fields(record, WINOGROUND_FIELDS, f"{shard}: row {row}")
                 images = [ImageRef(str(shard), member=f"{column}:{row}") for column in ("image_0", "image_1")]
-                items.append(self._item(record, images))
+                items.append(self._item(record, images, f"{shard}: row {row}"))
         # Shards of two dataset revisions side by side in data/ would repeat every id.
         repeated = sorted(item_id for item_id, count in Counter(item.id for item in items).items() if count > 1)
         require(not repeated, f"{self.root}: ids repeat across the test shards (e.g. {repeated[:3]}); "
@@ -235,9 +216,10 @@ class Winoground(TwoByTwoBenchmark):
         return items
 
     @staticmethod
-    def _item(record: dict, images: list[ImageRef]) -> Item:
+    def _item(record: dict, images: list[ImageRef], where: str) -> Item:
         meta = {key: record[key] for key in Winoground.outcome_fields}
-        return Item(id=str(record["id"]), images=images, texts=[record["caption_0"], record["caption_1"]], meta=meta)
+        return Item(id=str(record["id"]), images=images, texts=caption_pair(record, ("caption_0", "caption_1"), where),
+                    meta=meta)
 
     @staticmethod
     def aggregate(outcomes: Sequence[Outcome]) -> dict[str, float]:
@@ -297,12 +279,12 @@ class BiVLC(TwoByTwoBenchmark):
     def read_items(self) -> list[Item]:
         items: list[Item] = []
         for shard in self.shards():
-            require_columns(shard, [*BIVLC_TEXT_COLUMNS, "image", "negative_image"])
-            for row, record in enumerate(read_parquet_rows(shard, BIVLC_TEXT_COLUMNS)):
-                require_fields(record, dict.fromkeys(BIVLC_TEXT_COLUMNS, str), f"{shard}: row {row}")
+            for row, record in enumerate(read_parquet_rows(shard, BIVLC_TEXT_COLUMNS, ("image", "negative_image"))):
+                where = f"{shard}: row {row}"
+                require_fields(record, dict.fromkeys(BIVLC_TEXT_COLUMNS, str), where)
                 images = [ImageRef(str(shard), member=f"{column}:{row}") for column in ("image", "negative_image")]
                 items.append(Item(id=str(len(items)), images=images,
-                                  texts=[record["caption"], record["negative_caption"]],
+                                  texts=caption_pair(record, ("caption", "negative_caption"), where),
                                   meta={"type": record["type"], "subtype": record["subtype"]}))
         return items
 
@@ -354,11 +336,13 @@ class BiSCoRCtrl(TwoByTwoBenchmark):
     def read_items(self) -> list[Item]:
         path = self.root / self.annotations
         items = []
-        for index, record in enumerate(read_jsonl(path)):
-            require_fields(record, BISCOR_FIELDS, f"{path}: record {index}")
+        for index, (_, record) in enumerate(read_jsonl(path)):
+            where = f"{path}: record {index}"
+            require_fields(record, BISCOR_FIELDS, where)
             images = [ImageRef(str(self.images / record[key])) for key in ("image_0", "image_1")]
             items.append(Item(id=str(record.get("id", index)), images=images,
-                              texts=[record["caption_0"], record["caption_1"]], meta={"category": record["category"]}))
+                              texts=caption_pair(record, ("caption_0", "caption_1"), where),
+                              meta={"category": record["category"]}))
         return items
 
     @staticmethod
@@ -386,7 +370,7 @@ class ShapesSwap(TwoByTwoBenchmark):
     description = "Shapes-world swap set: text / image / group scores and 2-way caption accuracy per type (%)"
     data_source = DataSource(home="this repository (datamodules/shapes)", licence="MIT (generated)",
                         size="generated: 1 MB per 1,000 items at 64 px",
-                        by_hand="python -m datamodules.shapes --out <root> (make demo writes data/shapes)")
+                        by_hand="python -m datamodules.shapes --out <root> (make demo writes data/study)")
     outcome_fields = ("type",)
 
     def __init__(self, root: str | Path, split: str = "val"):
@@ -397,11 +381,16 @@ class ShapesSwap(TwoByTwoBenchmark):
         return [f"annotations/swap_{self.split}.json"]
 
     def read_items(self) -> list[Item]:
-        from datamodules.shapes import load_swap_items
-
-        return [Item(id=str(item["id"]), images=[ImageRef(path) for path in item["images"]],
-                     texts=list(item["captions"]), meta={"type": item["type"]})
-                for item in load_swap_items(self.root, self.split)]
+        # the world's `load_swap_items`, reading through the checked reader: image paths are relative to the root
+        path = self.root / self.required_files()[0]
+        content = read_json(path)
+        require(isinstance(content, dict) and isinstance(content.get("items"), list),
+                f"{path}: expected {{\"items\": [...]}}")
+        root = self.root.resolve()
+        return [Item(id=str(item["id"]), images=[ImageRef(str(root / image)) for image in item["images"]],
+                     texts=[required_text(text, f"{path}: item {item['id']!r}", f"captions[{k}]")
+                            for k, text in enumerate(item["captions"])], meta={"type": item["type"]})
+                for item in content["items"]]
 
     @staticmethod
     def aggregate(outcomes: Sequence[Outcome]) -> dict[str, float]:

@@ -6,7 +6,9 @@ reuse the same keys, so item ids are `<piece>/<key>`). Each record holds `datase
 `foil` and `mturk{caption, foil, other}` (3 annotators) plus piece-specific fields that are not read here.
 
 Only valid records count: `mturk["caption"] >= 2` (the VALSE README; the official scripts skip the others).
-The invalid ones are dropped, as the protocol says, and counted per piece in the aggregates.
+The invalid ones are dropped, as the protocol says, and counted per piece in the aggregates. The caption and foil
+of every record, valid or not, must be non-empty (the official files hold none empty): an empty one is a damaged
+file, refused.
 
 Images come from the origin datasets, named by the record's `dataset` value, which is not uniform:
 `visual7w` (existence, counting), `coco2017` (plurals) and `coco_2017` (relations, both COCO val2017 file
@@ -23,13 +25,13 @@ phenomena, each the mean of its pieces (vl_compo, 67.53); and `micro`, over all 
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
+from evaluation.benchmarks.annotations import read_json, require, required_text
 from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, Outcome, percent
 from evaluation.benchmarks.sources import DataSource, github_file, published
 
@@ -110,23 +112,21 @@ class Valse(ItemBenchmark):
 
     def _piece_items(self, piece: str) -> list[Item]:
         path = self.root / f"{piece}.json"
-        records = json.loads(path.read_text())
-        if not isinstance(records, dict):
-            raise ValueError(  # noqa: TRY004 -- a malformed file is a ValueError everywhere in the benchmarks
+        records = read_json(path)
+        require(isinstance(records, dict),
                 f"{path}: expected a JSON object keyed by example id, got {type(records).__name__}")
+        texts = {key: _texts(path, key, record) for key, record in records.items()}
         valid = {key: record for key, record in records.items() if _caption_votes(path, key, record) >= VALID_VOTES}
         invalid = len(records) - len(valid)
-        return [Item(id=f"{piece}/{key}", images=[self._image(path, key, record)],
-                     texts=[_text(path, key, record, "caption"), _text(path, key, record, "foil")],
+        return [Item(id=f"{piece}/{key}", images=[self._image(path, key, record)], texts=texts[key],
                      meta={"piece": piece, "invalid_in_piece": invalid})
                 for key, record in valid.items()]
 
     def _image(self, path: Path, key: str, record: dict) -> ImageRef:
         dataset, image_file = _text(path, key, record, "dataset"), _text(path, key, record, "image_file")
-        if dataset not in self.images:
-            raise ValueError(f"{path}: record {key!r} has dataset {dataset!r}, which the `images` option does not "
-                             f"map to a folder (mapped: {', '.join(sorted(self.images))}); "
-                             f"pass images={{{dataset!r}: FOLDER}}")
+        require(dataset in self.images,
+                f"{path}: record {key!r} has dataset {dataset!r}, which the `images` option does not map to a "
+                f"folder (mapped: {', '.join(sorted(self.images))}); pass images={{{dataset!r}: FOLDER}}")
         folders = self.images[dataset]
         if len(folders) > 1:  # only a list of folders needs a look at the disk
             folders = [folder for folder in folders if (folder / image_file).is_file()] or folders
@@ -178,13 +178,18 @@ def _folder_list(folders: Folders) -> list[Path]:
 def _caption_votes(path: Path, key: str, record: object) -> int:
     mturk = record.get("mturk") if isinstance(record, dict) else None
     votes = mturk.get("caption") if isinstance(mturk, dict) else None
-    if not isinstance(votes, int) or isinstance(votes, bool):
-        raise ValueError(f"{path}: record {key!r} lacks an integer mturk.caption vote count")  # noqa: TRY004
+    require(isinstance(votes, int) and not isinstance(votes, bool),
+            f"{path}: record {key!r} lacks an integer mturk.caption vote count")
     return votes
+
+
+def _texts(path: Path, key: str, record: object) -> list[str]:
+    """[caption, foil] of a record."""
+    require(isinstance(record, dict), f"{path}: record {key!r} is not a JSON object")
+    return [required_text(record.get(field), f"{path}: record {key!r}", field) for field in ("caption", "foil")]
 
 
 def _text(path: Path, key: str, record: dict, field: str) -> str:
     value = record.get(field)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{path}: record {key!r} lacks a non-empty string field {field!r}")
+    require(isinstance(value, str) and value != "", f"{path}: record {key!r} lacks a non-empty string field {field!r}")
     return value

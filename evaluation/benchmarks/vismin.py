@@ -37,8 +37,6 @@ authors' statement of that pairing for the published rows.
 """
 from __future__ import annotations
 
-import csv
-import io
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +44,11 @@ from typing import Sequence
 
 import numpy as np
 
-from evaluation.benchmarks.base import ImageRef, Item, Outcome, read_text, require
-from evaluation.benchmarks.images import read_parquet_rows
+from evaluation.benchmarks.annotations import read_csv_records, read_parquet_rows, require
+from evaluation.benchmarks.base import ImageRef, Item, Outcome, check_option
 from evaluation.benchmarks.sources import DataSource, Download, published
-from evaluation.benchmarks.two_by_two import (SCORES, TEST_SHARD_PATTERNS, TwoByTwoBenchmark, find_test_shards,
-                                              grouped_scores, overall_scores, require_columns, require_fields)
+from evaluation.benchmarks.two_by_two import (SCORES, TEST_SHARD_PATTERNS, TwoByTwoBenchmark, caption_pair,
+                                              find_test_shards, grouped_scores, overall_scores, require_fields)
 
 CATEGORIES = ("object", "attribute", "relation", "counting")  # the paper's column order
 COLUMNS = {"id": int, "text_0": str, "text_1": str, "category": str}
@@ -127,9 +125,9 @@ class VisMin(TwoByTwoBenchmark):
         "text/counting": 31.24, "image/counting": 20.71, "group/counting": 10.53, "avg": 41.15}, "vismin")
 
     def __init__(self, root: str | Path, revision: str = DEFAULT_REVISION, pairing: str | None = None):
-        require(revision in REVISIONS, f"unknown VisMin revision {revision!r}; known: {', '.join(REVISIONS)}")
+        check_option(revision in REVISIONS, f"unknown VisMin revision {revision!r}; known: {', '.join(REVISIONS)}")
         pairing = pairing or REVISIONS[revision].pairing
-        require(pairing in PAIRINGS, f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
+        check_option(pairing in PAIRINGS, f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
         self.revision, self.pairing = revision, pairing  # read by required_files() during the base class's check
         super().__init__(root)
 
@@ -172,19 +170,13 @@ class VisMin(TwoByTwoBenchmark):
 
 
 def read_solution(path: Path) -> list[tuple[int, int, str, bool]]:
-    """The rows of sim_solution.csv as (line, idx, category, swapped); a ValueError names the file and line."""
-    text = read_text(path)
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    require(reader.fieldnames is not None and set(SOLUTION_COLUMNS) <= set(reader.fieldnames),
-            f"{path}: expected the columns {', '.join(SOLUTION_COLUMNS)}, found {reader.fieldnames}")
-    return [_solution_row(path, reader.line_num, row) for row in reader]
+    """The rows of sim_solution.csv as (line, idx, category, swapped); a `DamagedBenchmarkData` names the file and
+    line."""
+    return [_solution_row(path, line, row) for line, row in read_csv_records(path, SOLUTION_COLUMNS)]
 
 
 def _solution_row(path: Path, line: int, row: dict) -> tuple[int, int, str, bool]:
-    values = [row.get(column) for column in SOLUTION_COLUMNS]
-    require(all(value is not None for value in values) and None not in row,
-            f"{path}: line {line} does not have the {len(SOLUTION_COLUMNS)} fields {', '.join(SOLUTION_COLUMNS)}")
-    idx, text, image, category = values
+    idx, text, image, category = (row[column] for column in SOLUTION_COLUMNS)
     require(idx.strip().isdigit(), f"{path}: line {line}: idx {idx!r} is not a whole number")
     relations = (text.strip(), image.strip())
     require(relations in (ALIGNED, SWAPPED), f"{path}: line {line}: relations {relations} are neither "
@@ -193,21 +185,15 @@ def _solution_row(path: Path, line: int, row: dict) -> tuple[int, int, str, bool
 
 
 def _shard_records(shard: Path) -> list[dict]:
-    """The text columns of one parquet shard, each row checked; a file pyarrow cannot read is named."""
-    import pyarrow as pa
-
-    try:
-        require_columns(shard, [*COLUMNS, "image_0", "image_1"])
-        records = read_parquet_rows(shard, COLUMNS)
-    except (OSError, pa.ArrowException) as error:  # a truncated shard: pyarrow's message does not name it
-        raise ValueError(f"{shard}: cannot read the parquet shard ({error})") from error
+    """The text columns of one parquet shard, each row checked."""
+    records = read_parquet_rows(shard, COLUMNS, ("image_0", "image_1"))
     for row, record in enumerate(records):
         require_fields(record, COLUMNS, f"{shard}: row {row}")
     return records
 
 
 def _item(shard: Path, row: int, record: dict, swapped: bool) -> Item:
-    texts = [record["text_1"], record["text_0"]] if swapped else [record["text_0"], record["text_1"]]
+    texts = caption_pair(record, ("text_1", "text_0") if swapped else ("text_0", "text_1"), f"{shard}: row {row}")
     images = [ImageRef(str(shard), member=f"{column}:{row}") for column in ("image_0", "image_1")]
     return Item(id=f"{record['category']}/{record['id']}", images=images, texts=texts,
                 meta={"category": record["category"], "swapped": swapped})

@@ -41,7 +41,6 @@ The aggregates are computed from the outcomes alone, so a source with no outcome
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -53,6 +52,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from evaluation.benchmarks.annotations import DamagedBenchmarkData, read_json, read_text, require, required_text
 from evaluation.benchmarks.base import ImageRef, Item, ItemBenchmark, MissingBenchmarkData, Outcome, percent
 from evaluation.benchmarks.sources import DataSource, published
 
@@ -176,13 +176,11 @@ class VLCheckList(ItemBenchmark):
 
     def _read_source(self, subtype: str, name: str) -> Source:
         path = self.root / _yaml_path(subtype, name)
-        config = yaml.safe_load(path.read_text())
+        config = _read_yaml(path)
         for key in ("ANNO_PATH", "IMG_ROOT", "TYPE"):
-            if not isinstance(config, dict) or not isinstance(config.get(key), str):
-                raise ValueError(  # noqa: TRY004 -- a malformed file is a ValueError everywhere in the benchmarks
+            require(isinstance(config, dict) and isinstance(config.get(key), str),
                     f"{path}: expected a string {key!r} (keys ANNO_PATH, IMG_ROOT, TYPE)")
-        if config["TYPE"] != "TUPLE_JSON":
-            raise ValueError(f"{path}: TYPE {config['TYPE']!r} is not supported (only TUPLE_JSON)")
+        require(config["TYPE"] == "TUPLE_JSON", f"{path}: TYPE {config['TYPE']!r} is not supported (only TUPLE_JSON)")
         return Source(subtype, name, self.root / config["ANNO_PATH"], self.images / config["IMG_ROOT"])
 
     def items(self) -> list[Item]:
@@ -273,14 +271,24 @@ def _yaml_path(subtype: str, name: str) -> str:
     return f"{CORPUS}/{subtype}/{name}.yaml"
 
 
+def _read_yaml(path: Path):
+    """A source's YAML config; a file that is not YAML names itself and the line."""
+    try:
+        return yaml.safe_load(read_text(path))
+    except yaml.YAMLError as error:
+        raise DamagedBenchmarkData(f"{path}: not a YAML file ({' '.join(str(error).split())})") from None
+
+
 def _read_entries(path: Path) -> list:
-    entries = json.loads(path.read_text())
-    if not isinstance(entries, list):
-        raise ValueError(f"{path}: expected a JSON list of [image_path, {{POS, NEG}}] entries")  # noqa: TRY004
+    """The entries of an annotation file; the scored texts (POS[0], NEG[0]) of every entry, scored or not
+    (missing image, beyond the cap), must be non-empty."""
+    entries = read_json(path)
+    require(isinstance(entries, list), f"{path}: expected a JSON list of [image_path, {{POS, NEG}}] entries")
     for index, entry in enumerate(entries):
-        if not _is_tuple_entry(entry):
-            raise ValueError(f"{path}: entry {index} is not [image_path, {{\"POS\": [str, ...], "
-                             f"\"NEG\": [str, ...]}}]: {str(entry)[:120]}")
+        require(_is_tuple_entry(entry), f"{path}: entry {index} is not [image_path, {{\"POS\": [str, ...], "
+                                        f"\"NEG\": [str, ...]}}]: {str(entry)[:120]}")
+        for side in ("POS", "NEG"):
+            required_text(entry[1][side][0], f"{path}: entry {index}", f"{side}[0]")
     return entries
 
 

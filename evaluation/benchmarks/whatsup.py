@@ -46,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.benchmarks.base import (ImageRef, Item, JsonListBenchmark, Outcome, beats_all, percent, require)
+from evaluation.benchmarks.annotations import require, required_text
+from evaluation.benchmarks.base import ImageRef, Item, JsonListBenchmark, Outcome, beats_all, percent
 from evaluation.benchmarks.sources import COCO_VAL2017, DataSource, published
 from evaluation.benchmarks.combined import CombinedAggregate
 
@@ -128,7 +129,9 @@ class _WhatsUpControlled(_WhatsUpSet):
                 f"{path}: record {index} 'image_path' {record['image_path']!r} is not "
                 f"<obj1>_<preposition>_<obj2> with a preposition in {self.prepositions}")
         name = Path(record["image_path"]).name
-        return Item(id=str(index), images=[ImageRef(str(self.images / name))], texts=list(options),
+        texts = [required_text(option, f"{path}: record {index}", f"caption_options[{k}]")
+                 for k, option in enumerate(options)]
+        return Item(id=str(index), images=[ImageRef(str(self.images / name))], texts=texts,
                     meta={"object_pair": [first, second], "preposition": preposition, "image": name})
 
     def outcome(self, item: Item, similarity: np.ndarray) -> Outcome:
@@ -226,7 +229,8 @@ class _WhatsUpSpatial(_WhatsUpSet):
         require(isinstance(record, list) and len(record) == 3 and all(isinstance(t, str) for t in record[1:])
                 and self.valid_image_id(record[0]),
                 f"{path}: record {index} must be [image_id, gold_caption, wrong_caption], got {str(record)[:120]}")
-        image_id, gold, wrong = record
+        image_id, gold, wrong = (record[0], *(required_text(text, f"{path}: record {index}", field)
+                                              for text, field in zip(record[1:], ("gold caption", "wrong caption"))))
         return Item(id=str(index), images=[ImageRef(str(self.images / self.image_name(image_id)))],
                     texts=[gold, wrong], meta={"image_id": image_id, "preposition": self.preposition(gold)})
 

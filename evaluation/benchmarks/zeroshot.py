@@ -5,7 +5,9 @@ Files under `root` (copied from `LAION-AI/CLIP_benchmark`, `clip_benchmark/datas
 - `en_zeroshot_classification_templates.json`: `{"<dataset>": ["a photo of a {c}.", ...]}`, where `{c}` is
   the class name. As in clip_benchmark, a dataset without its own templates uses the "imagenet1k" ones
   (the 80 OpenAI prompts), and a dataset's entry may instead map each class name to its own full prompts.
-Option `dataset` picks the key (default "imagenet1k").
+Option `dataset` picks the key (default "imagenet1k"). A class name, template or prompt that is empty (or only
+whitespace) is a damaged file, refused, except the one empty name clip_benchmark's own list holds
+(`OFFICIAL_EMPTY_CLASS_NAMES`), which is scored as clip_benchmark scores it, with a warning.
 
 Images: `<images>/<class folder>/**/<image>` (torchvision `ImageFolder`'s layout and extensions; default
 `<root>/images`, e.g. ImageNet's `val/` with synset folders). Folders sorted by name take label 0, 1, ...,
@@ -30,7 +32,6 @@ split, cropped from its image, classified by shape and by colour (recognition be
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from evaluation.benchmarks.annotations import read_json, require, required_text, required_texts
 from evaluation.benchmarks.base import Benchmark, ImageRef, MissingBenchmarkData, Outcome, percent, Scorer, unique
 from evaluation.benchmarks.sources import DataSource, github_file
 
@@ -54,6 +56,11 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 
 # clip_benchmark's class names and prompts at the commit this loader was written against.
 CLIP_BENCHMARK, CLIP_BENCHMARK_COMMIT = "LAION-AI/CLIP_benchmark", "48de38c1689fa6d8b4dd53e3370c669c3bb18117"
+# Empty class names in clip_benchmark's own `en_classnames.json` at that commit, by dataset and label: VTAB's
+# closest-object-distance bins, one of them unnamed ("very nearby", "nearby", "near", "", "distant", ...).
+# clip_benchmark scores that class with its template filled with nothing (" shapes."), and so is it scored here,
+# with a warning; an empty name anywhere else is not the benchmark's and is refused as a damaged file.
+OFFICIAL_EMPTY_CLASS_NAMES = {"clevr_closest_object_distance": (3,)}
 
 
 class ZeroShotClassification(Benchmark):
@@ -90,11 +97,18 @@ class ZeroShotClassification(Benchmark):
 
     @cached_property
     def class_names(self) -> list[str]:
-        """Class names in label order."""
-        names = _load_json(self.root / CLASSNAMES_FILE)
-        if self.dataset not in names:
-            raise ValueError(f"{self.root / CLASSNAMES_FILE} has no dataset {self.dataset!r}; it has "
-                             f"{', '.join(sorted(names))}")
+        """Class names in label order; each non-empty, but for the official empty ones (warned about)."""
+        path = self.root / CLASSNAMES_FILE
+        names = _load_json(path)
+        require(self.dataset in names, f"{path} has no dataset {self.dataset!r}; it has {', '.join(sorted(names))}")
+        require(isinstance(names[self.dataset], list), f"{path}: {self.dataset!r} is not a list of class names")
+        official_empty = OFFICIAL_EMPTY_CLASS_NAMES.get(self.dataset, ())
+        for label, name in enumerate(names[self.dataset]):
+            if name == "" and label in official_empty:
+                log.warning("%s: class %d of %r has an empty name in clip_benchmark's own list; it is scored as "
+                            "clip_benchmark scores it, by its templates filled with nothing", path, label, self.dataset)
+                continue
+            required_text(name, f"{path}: {self.dataset!r} class {label}", "class name")
         return list(names[self.dataset])
 
     @cached_property
@@ -103,18 +117,19 @@ class ZeroShotClassification(Benchmark):
         path = self.root / TEMPLATES_FILE
         templates = _load_json(path)
         chosen = templates.get(self.dataset, templates.get(DEFAULT_TEMPLATES))
-        if chosen is None:
-            raise ValueError(f"{path} has neither {self.dataset!r} nor {DEFAULT_TEMPLATES!r} templates")
+        require(chosen is not None, f"{path} has neither {self.dataset!r} nor {DEFAULT_TEMPLATES!r} templates")
         _warn_duplicates(self.class_names, self.dataset)
         if isinstance(chosen, dict):  # class-specific prompts, used as they are
             missing = [name for name in self.class_names if name not in chosen]
-            if missing:
-                raise ValueError(f"{path}: {self.dataset!r} lacks prompts for classes {missing[:5]}")
-            return [list(chosen[name]) for name in self.class_names]
+            require(not missing, f"{path}: {self.dataset!r} lacks prompts for classes {missing[:5]}")
+            return [required_texts(chosen[name], f"{path}: prompts of class {name!r}", "prompt")
+                    for name in self.class_names]
+        require(isinstance(chosen, list) and all(isinstance(template, str) for template in chosen),
+                f"{path}: the templates are not a list of strings: {chosen!r:.120}")
         bad = [template for template in chosen if "{c}" not in template]
-        if bad or not chosen:
-            raise ValueError(f"{path}: templates must each contain '{{c}}', got {bad[:3] or chosen}")
-        return [[template.format(c=name) for template in chosen] for name in self.class_names]
+        require(not bad and bool(chosen), f"{path}: templates must each contain '{{c}}', got {bad[:3] or chosen}")
+        return [[required_text(template.format(c=name), f"{path}: template {template!r} of class {label}", "prompt")
+                 for template in chosen] for label, name in enumerate(self.class_names)]
 
     @cached_property
     def samples(self) -> list[tuple[ImageRef, int, str]]:
@@ -146,6 +161,10 @@ class ZeroShotClassification(Benchmark):
 
     def image_refs(self) -> list[ImageRef]:
         return unique(ref for ref, _, _ in self.samples)
+
+    def read_annotations(self) -> None:
+        super().read_annotations()
+        self.prompts  # the templates file, which the images do not need
 
     def outcomes(self, scorer: Scorer, progress: bool = False) -> list[Outcome]:
         samples, prompts = self.samples, self.prompts
@@ -204,7 +223,7 @@ class ShapesZeroShot(Benchmark):
     description = "Shapes-world zero-shot recognition: each object's shape and colour from the world's captions (%)"
     data_source = DataSource(home="this repository (datamodules/shapes)", licence="MIT (generated)",
                         size="generated: 1 MB per 1,000 images at 64 px",
-                        by_hand="python -m datamodules.shapes --out <root> (make demo writes data/shapes)")
+                        by_hand="python -m datamodules.shapes --out <root> (make demo writes data/study)")
     attributes = ("shape", "color")
     CROP_SCALE = 2.0
 
@@ -236,16 +255,26 @@ class ShapesZeroShot(Benchmark):
     @cached_property
     def samples(self) -> list[tuple[str, ImageRef, dict[str, int]]]:
         """(image id:object id, the object's crop, its label per attribute), image by image."""
-        from datamodules.shapes import load_scene_graphs
-
+        path = self.root / self.required_files()[0]
+        content = read_json(path)  # the world's `load_scene_graphs`, reading through the checked reader
+        require(isinstance(content, dict) and isinstance(content.get("images"), list),
+                f"{path}: expected {{\"images\": [...]}}")
         samples = []
-        for record in load_scene_graphs(self.root, self.split):
-            path = str(self.root / "images" / self.split / record["file_name"])
+        for record in content["images"]:
+            image = str(self.root / "images" / self.split / record["file_name"])
             for obj in record["objects"]:
                 box = crop_box(obj["bbox"], record["width"], self.CROP_SCALE)
-                labels = {attribute: self.classes[attribute].index(obj[attribute]) for attribute in self.attributes}
-                samples.append((f"{record['image_id']}:{obj['id']}", ImageRef(path, box=box), labels))
+                samples.append((f"{record['image_id']}:{obj['id']}", ImageRef(image, box=box),
+                                self._labels(path, record, obj)))
         return samples
+
+    def _labels(self, path: Path, record: dict, obj: dict) -> dict[str, int]:
+        """The object's class index per attribute; a value outside the world's classes is a damaged file."""
+        for attribute in self.attributes:
+            require(obj.get(attribute) in self.classes[attribute],
+                    f"{path}: image {record.get('image_id')!r} object {obj.get('id')!r} has {attribute} "
+                    f"{obj.get(attribute)!r}, not one of {', '.join(self.classes[attribute])}")
+        return {attribute: self.classes[attribute].index(obj[attribute]) for attribute in self.attributes}
 
     def image_refs(self) -> list[ImageRef]:
         return unique(ref for _, ref, _ in self.samples)
@@ -301,8 +330,6 @@ def _warn_duplicates(class_names: Sequence[str], dataset: str) -> None:
 
 
 def _load_json(path: Path) -> dict:
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict):
-        # malformed files are ValueErrors throughout the benchmarks, whatever is wrong with them
-        raise ValueError(f"{path}: expected a JSON object keyed by dataset name")  # noqa: TRY004
+    data = read_json(path)
+    require(isinstance(data, dict), f"{path}: expected a JSON object keyed by dataset name")
     return data

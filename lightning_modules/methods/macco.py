@@ -22,12 +22,14 @@ Official and ours. `configs/macco.yaml` reproduces the official code (hiker-lw/M
 against its numbers by tests/test_macco_parity.py: no key padding mask in the image predictor (all 77 text
 positions are keys, the full text runs untrimmed), every head tensor and both mask tokens under weight decay 0.01,
 logit_scale in the head group (lr 1e-3, wd 0.01), the random rectangle's distribution
-(`parsers.grounding.random_rectangle_mask`). Ours, each an option (`configs/macco_ours.yaml`):
-`method.key_padding_mask=true` (keys after EOS ignored; the full text then stops at the batch's last EOS, which
-is exact only with the mask), `optim.logit_scale_group=backbone`, `optim.head_decay_1d=false`. The word ->
-token rule is ours in both (`data.comp_mask_rule=every_occurrence`: the exact character spans of every
-composition word); the original's, where each word is BPE-encoded alone, "the" is skipped and only the
-first contiguous id match is masked, is `data.comp_mask_rule=first_bpe_match` (datamodules/masks.py).
+(`parsers.grounding.random_rectangle_mask`), out-of-crop boxes clamped onto the crop, one crop draw, and the
+original's word -> token rule, `data.comp_mask_rule=first_bpe_match` (each relation / attribute string
+BPE-encoded alone, "the" skipped, only its first contiguous id match in the caption masked; datamodules/masks.py).
+`configs/macco_ours.yaml` [ours] changes six options, nothing else: `method.key_padding_mask=true` (keys after EOS
+ignored; the full text then stops at the batch's last EOS, which is exact only with the mask),
+`optim.logit_scale_group=backbone`, `optim.head_decay_1d=false`, `data.out_of_crop_boxes=drop`,
+`data.box_aware_crop=true` and our word -> token rule, `data.comp_mask_rule=every_occurrence` (the exact character
+spans of every composition word; also the schema default, so a config that does not set the rule gets ours).
 
 MACCO + NegCLIP (`method.hard_negatives.captions: K`; off in the paper configs).
 [paper] MACCO is orthogonal to hard-negative training: stacked on NegCLIP it still gains. The released code
