@@ -15,6 +15,14 @@ and the fields of a record the sweep checks against the run as configured now:
       sha256             sha256 of the weights file it names (`backbone_weights`)
       numerics           what the export beside those weights records of how they were trained (`export_numerics`)
 
+and the world the bundle was made on, in its study's `<bundle>/<sweep name>/sweep.json`:
+
+    world                {"root", "files": {annotation file: sha256}} of the world the runs were scored on
+
+`world_checksum` (one sha256 over those files' checksums) names a world in one line; a sweep and `study.restore`
+refuse to continue a bundle from a world with another checksum (`world_problem`): its records would be skipped
+as results of runs they are not.
+
 `backbone_weights`, `file_sha256` and `export_numerics` define how a backbone is identified, for the writer and
 the reader alike. The export's own names (`model.json`, its "weights" and "numerics", the default `open_clip.pt`)
 are `modeling.export`'s, read here without importing torch.
@@ -25,10 +33,12 @@ import gzip
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Sequence
 
 RUNS_DIR = "runs"
 RECORD_SUFFIX = ".json.gz"
+SWEEP_DOCUMENT = "sweep.json"
+WORLD = "world"
 CONFIG_DIGEST = "config_digest"
 CONFIG = "config"
 BACKBONE = "backbone"
@@ -95,3 +105,41 @@ def config_differences(stored: Mapping[str, Any], now: Mapping[str, Any], limit:
     keys = [key for key in sorted(set(stored) | set(now)) if stored.get(key, absent) != now.get(key, absent)]
     lines = [f"{key}: {stored.get(key, absent)!r} (bundle) -> {now.get(key, absent)!r} (now)" for key in keys[:limit]]
     return lines + ([f"... and {len(keys) - limit} more keys"] if len(keys) > limit else [])
+
+
+# ----- the world a bundle was made on -----------------------------------------------------------------------------
+def world_checksum(files: Mapping[str, str]) -> str:
+    """One checksum for a world: sha256 of its annotation files' checksums as canonical JSON (sorted keys, no
+    spaces). Two worlds with one checksum hold the same annotation files."""
+    return hashlib.sha256(json.dumps(dict(files), sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def world_files(root: Path, names: Sequence[str]) -> dict:
+    """{name: sha256} of the files `names` (paths relative to the world's root) that exist under `root`."""
+    return {name: file_sha256(Path(root) / name) for name in names if (Path(root) / name).is_file()}
+
+
+def bundle_world(bundle: Path) -> Optional[dict]:
+    """The `world` a bundle's study records (its one sweep.json that has one), or None (no bundle, or a bundle
+    written before worlds were recorded)."""
+    for path in sorted(Path(bundle).glob(f"*/{SWEEP_DOCUMENT}")):
+        world = json.loads(path.read_text()).get(WORLD)
+        if world and world.get("files"):
+            return world
+    return None
+
+
+def world_problem(bundle: Path, root: Path) -> Optional[str]:
+    """A one-line refusal when the world at `root` is not the one `bundle` was made on (None when it is, or when the
+    bundle records no world), naming both world checksums: the same files are checksummed here as there."""
+    world = bundle_world(bundle)
+    if world is None:
+        return None
+    stored = world_checksum(world["files"])
+    here = world_checksum(world_files(root, sorted(world["files"])))
+    if here == stored:
+        return None
+    state = "is not there" if not Path(root).is_dir() else f"has world checksum {here}"
+    return (f"the world {root} {state}, and the bundle {bundle} was made on the world {world.get('root')} with "
+            f"checksum {stored}: another world. Generate the bundle's world (its seed), or study this world in a "
+            "bundle of its own (make study STUDY_SEED=N writes results/study-world-N)")

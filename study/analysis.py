@@ -1,6 +1,15 @@
 """The study's analysis: scoring runs (cached with their per-item outcomes), choosing each method's setting on
 the validation split, and the summaries and paired differences over seeds (steps 1-4 of `study/cli.py`), the
 checks beside each row and the composition / recognition trade-off.
+
+Three readings keep the numbers honest about what they can show:
+- a selection flags its chosen setting `edge` when it is the smallest or largest of its grid (the grid does not
+  bracket the optimum) and `flat` when the validation curve over the grid is flat within seed noise
+  (`selection_flags`);
+- a paired difference carries, beside its items x seeds bootstrap, the seed-level paired t (`stats.paired_seed_t`),
+  and a claim is read only where both intervals exclude 0 on the same side (`claims`);
+- a row whose own term changed no outcome of any of its runs against the baseline's paired runs is inactive
+  (`row_activity`): it is shown as such and never read as a result.
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ from study.settings import (
     StudySettings,
     unique_values,
 )
-from study.stats import Interval, paired_bootstrap, seed_interval
+from study.stats import Interval, SeedTest, paired_bootstrap, paired_seed_t, seed_interval
 
 
 # ----- scoring and its cache --------------------------------------------------------------------------------
@@ -371,6 +380,7 @@ class Selection:
 
     chosen: Optional[str]
     validation: Dict[str, Tuple[float, int]]  # setting -> (mean over seeds, seeds), in grid order
+    values: Dict[str, Tuple[float, ...]] = field(default_factory=dict)  # setting -> its per-seed values
 
 
 def select_settings(study: Study, evaluations: Evaluations) -> Dict[Tuple[str, str], Selection]:
@@ -383,19 +393,80 @@ def select_settings(study: Study, evaluations: Evaluations) -> Dict[Tuple[str, s
     selections = {}
     for method in study.methods():
         for condition in study.conditions():
-            validation = {}
+            validation, per_seed = {}, {}
             for setting in study.settings_of(method, condition):
                 values = [evaluations.metric(run.name, split, metric) for run in study.runs
                           if (run.method, run.condition, run.setting) == (method, condition, setting)]
                 values = [value for value in values if value is not None and math.isfinite(value)]
                 validation[setting] = (float(np.mean(values)) if values else math.nan, len(values))
-            selections[(method, condition)] = Selection(best_setting(validation), validation)
+                per_seed[setting] = tuple(values)
+            selections[(method, condition)] = Selection(best_setting(validation), validation, per_seed)
     return selections
 
 
 def best_setting(validation: Mapping[str, Tuple[float, int]]) -> Optional[str]:
     scored = [(mean, -index, setting) for index, (setting, (mean, count)) in enumerate(validation.items()) if count]
     return max(scored)[2] if scored else None
+
+
+# A validation curve is flat when its best and worst settings' means differ by less than this many standard
+# errors of that difference (each setting's seed-level standard error, sd / sqrt(seeds), added in quadrature).
+FLAT_MULTIPLE = 2.0
+
+
+@dataclass(frozen=True)
+class SelectionFlags:
+    """What a selection can and cannot say. `edge`: the chosen setting is the smallest or largest of its grid, so
+    the grid does not bracket the optimum (a setting beyond it might be better). `flat`: the best and worst
+    settings' validation means differ by less than FLAT_MULTIPLE standard errors of their difference, so the
+    choice is within seed noise (None: fewer than two scored settings, or a setting with fewer than two seeds)."""
+
+    edge: bool
+    flat: Optional[bool]
+    spread: float  # best mean - worst mean over the scored settings
+    noise: float  # FLAT_MULTIPLE x the standard error of that difference
+
+    @property
+    def bracketed(self) -> bool:
+        return not self.edge
+
+    def labels(self) -> List[str]:
+        return ((["not bracketed (edge of the grid)"] if self.edge else ["bracketed"])
+                + (["flat within seed noise"] if self.flat else [] if self.flat is False else ["flatness not known"]))
+
+
+def setting_order(settings: Sequence[str]) -> List[str]:
+    """The settings from smallest to largest when each is one `axis=number` (an lr grid), else in grid order."""
+    values = {}
+    for setting in settings:
+        axis, _, value = setting.partition("=")
+        try:
+            values[setting] = (axis, float(value))
+        except ValueError:
+            return list(settings)
+    if len({axis for axis, _ in values.values()}) != 1:
+        return list(settings)
+    return sorted(settings, key=lambda setting: values[setting][1])
+
+
+def standard_error(values: Sequence[float]) -> float:
+    return float(np.std(values, ddof=1)) / math.sqrt(len(values))
+
+
+def selection_flags(selection: Selection) -> Optional[SelectionFlags]:
+    """The selection's flags (None when nothing was chosen: no scored run, or a grid of one setting)."""
+    if selection.chosen is None or len(selection.validation) < 2:
+        return None
+    order = setting_order(list(selection.validation))
+    edge = selection.chosen in (order[0], order[-1])
+    scored = {setting: mean for setting, (mean, count) in selection.validation.items() if count}
+    best, worst = max(scored, key=scored.get), min(scored, key=scored.get)
+    spread = scored[best] - scored[worst]
+    sides = [selection.values.get(setting, ()) for setting in (best, worst)]
+    if len(scored) < 2 or any(len(values) < 2 for values in sides):
+        return SelectionFlags(edge, None, spread, math.nan)
+    noise = FLAT_MULTIPLE * math.sqrt(sum(standard_error(values) ** 2 for values in sides))
+    return SelectionFlags(edge, spread < noise, spread, noise)
 
 
 # ----- summaries over seeds and paired differences -------------------------------------------------------------
@@ -509,7 +580,8 @@ def outcome_matrix(cell: Cell, seeds: Sequence[str], metric: str) -> Tuple[List[
 
 @dataclass(frozen=True)
 class Comparison:
-    """A method minus its reference on the same items and paired seeds, with the paired bootstrap interval."""
+    """A method minus its reference on the same items and paired seeds, with the paired bootstrap interval and the
+    seed-level paired t (`seed`: over the per-seed mean differences; None where it was not computed)."""
 
     method: str
     condition: str
@@ -519,6 +591,7 @@ class Comparison:
     interval: Interval
     n_seeds: int
     n_items: int
+    seed: Optional[SeedTest] = None
 
 
 def paired_seeds(method: Cell, reference: Cell) -> Tuple[List[str], List[str]]:
@@ -543,7 +616,7 @@ def compare(method: Cell, reference: Cell, reference_label: str, metric: str, re
         raise StudyError(f"{method.method} and {reference_label} were scored on different {method.split} items")
     interval = paired_bootstrap(values, reference_values, resamples=resamples, seed=seed)
     return Comparison(method.method, method.condition, reference_label, method.split, metric, interval,
-                      len(method_seeds), len(ids))
+                      len(method_seeds), len(ids), paired_seed_t((values - reference_values).mean(axis=1)))
 
 
 def reference_of(cell: Cell, settings: StudySettings, cells: Mapping[Tuple[str, str, str], Cell]
@@ -645,21 +718,122 @@ def check_results(study: Study, evaluations: Evaluations, selections: Mapping[Tu
     return results
 
 
+# ----- did a row's own term act? --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Activity:
+    """A method's runs against the baseline's runs of the same condition, setting and seed, decision by decision
+    on every split both hold (`outcome_keys`). A row none of whose decisions differs is inactive: its own term
+    never changed training enough to change one decision, so its scores are the baseline's and not a result of
+    the method. The bundle records no direct measure of a term's activity
+    (such as the share of steps a hinge fired); this is the measure derived from what it records."""
+
+    method: str
+    condition: str
+    reference: str  # the baseline's row label
+    pairs: int  # run pairs compared
+    outcomes: int  # per-item outcomes compared
+    differing: int
+
+    @property
+    def active(self) -> Optional[bool]:
+        """False: inactive; None: no pair to compare."""
+        return self.differing > 0 if self.pairs else None
+
+
+def outcome_keys(scores: SplitEval) -> Dict[str, object]:
+    """Every per-item decision of one scoring that a reported number reads, keyed by its kind and item: a swap
+    item's flags, whether a retrieval query and a zero-shot object rank their answer first. (A rank deep in a
+    retrieval list moves with the last bits of the weights and no number reads it.)"""
+    keyed: Dict[str, object] = {f"swap:{o['id']}": tuple(int(o[flag]) for flag in OUTCOME_FLAGS)
+                                for o in scores.get("swap_outcomes") or []}
+    for index, (direction, rank, _) in enumerate(scores.get("retrieval_outcomes") or []):
+        keyed[f"retrieval:{index}:{direction}"] = int(rank) == 0
+    for item, _, rank, _ in scores.get("zeroshot_outcomes") or []:
+        keyed[f"zeroshot:{item}"] = int(rank) == 0
+    return keyed
+
+
+def row_activity(study: Study, evaluations: Evaluations) -> List[Activity]:
+    """The activity of every row compared with the baseline in its condition (not the baseline's own rows, not
+    the frozen-backbone methods, which are compared with the frozen reference)."""
+    settings = study.settings
+    frozen_methods = settings.frozen.methods if settings.frozen else ()
+    baseline_runs = {(run.condition, run.setting, run.seed): run for run in study.runs
+                     if run.method == settings.baseline}
+    found = []
+    for method in (m for m in study.methods() if m != settings.baseline and m not in frozen_methods):
+        for condition in study.conditions():
+            pairs = outcomes = differing = 0
+            for run in (r for r in study.runs if (r.method, r.condition) == (method, condition)):
+                base = baseline_runs.get((condition, run.setting, run.seed))
+                mine, theirs = (evaluations.scores.get(r.name, {}) if r else {} for r in (run, base))
+                splits = [split for split in mine if split in theirs]
+                if not splits:
+                    continue
+                pairs += 1
+                for split in splits:
+                    first, second = outcome_keys(mine[split]), outcome_keys(theirs[split])
+                    keys = set(first) | set(second)
+                    outcomes += len(keys)
+                    differing += sum(1 for key in keys if first.get(key) != second.get(key))
+            if pairs:
+                label = settings.baseline if condition == NO_CONDITION else f"{settings.baseline} ({condition})"
+                found.append(Activity(method, condition, label, pairs, outcomes, differing))
+    return found
+
+
+def inactive_rows(activity: Sequence[Activity]) -> set:
+    """(method, condition) of the rows whose own term changed no outcome."""
+    return {(a.method, a.condition) for a in activity if a.active is False}
+
+
+# ----- what a reader may state -----------------------------------------------------------------------------------
+def excludes_zero(interval: Interval) -> int:
+    """+1 when the interval lies above 0, -1 below, 0 when it holds 0 (or is not defined)."""
+    if interval.low > 0:
+        return 1
+    if interval.high < 0:
+        return -1
+    return 0
+
+
+def agreement(comparison: Comparison) -> int:
+    """+1 / -1 when the bootstrap and the seed-level t intervals both exclude 0 on that side, else 0."""
+    bootstrap = excludes_zero(comparison.interval)
+    seed = excludes_zero(comparison.seed.interval) if comparison.seed else 0
+    return bootstrap if bootstrap == seed else 0
+
+
+def claims(differences: Sequence[Comparison], inactive: Collection[Tuple[str, str]]) -> List[Comparison]:
+    """The paired differences a reader may state as a difference: both intervals exclude 0 on the same side, and
+    the row is not inactive. No correction for the number of comparisons is applied: each is read at 95%."""
+    return [c for c in differences if agreement(c) and (c.method, c.condition) not in inactive]
+
+
 # ----- everything the report shows ------------------------------------------------------------------------------
 @dataclass
 class Findings:
     """The report's numbers, computed once from the scores: rows per split, their summaries over seeds, the
-    paired differences (baseline, frozen reference, contrast), the trade-off and the checks."""
+    paired differences (baseline, frozen reference, contrast), the trade-off, the checks, each selection's flags
+    and each row's activity against the baseline."""
 
     cells: List[Cell]
     summaries: List[Summary]
     differences: List[Comparison]
     tradeoffs: List[Comparison]
     checks: List[CheckResult]
+    flags: Dict[Tuple[str, str], Optional[SelectionFlags]] = field(default_factory=dict)
+    activity: List[Activity] = field(default_factory=list)
+
+    @property
+    def inactive(self) -> set:
+        return inactive_rows(self.activity)
 
 
 def analyse(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection]) -> Findings:
     cells = study_cells(study, evaluations, selections)
     return Findings(cells, [summary for cell in cells for summary in summarise(cell)],
                     comparisons(cells, study.settings), tradeoffs(cells, study.settings),
-                    check_results(study, evaluations, selections))
+                    check_results(study, evaluations, selections),
+                    {key: selection_flags(selection) for key, selection in selections.items()},
+                    row_activity(study, evaluations))

@@ -21,10 +21,10 @@ from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 from core.files import atomic_write_text
 from core.run_records import (BACKBONE, BACKBONE_NUMERICS, BACKBONE_PATH, BACKBONE_SHA256, CONFIG, CONFIG_DIGEST,
                               RUNS_DIR, backbone_weights, config_differences, export_numerics, export_weights,
-                              file_sha256, run_record_path)
+                              file_sha256, run_record_path, world_checksum)
 from slurm.runs import SWEEP_FILE, export_complete
 from study import validity as study_validity
-from study.analysis import Curves, Evaluations, Findings, Selection, Stored, json_safe
+from study.analysis import FLAT_MULTIPLE, Curves, Evaluations, Findings, Selection, Stored, claims, json_safe
 from study.records import (FORMAT, FROZEN_DIR, README, REPORT_DOCUMENT, SWEEP_DOCUMENT, carry_backbone,
                            frozen_record_path, read_records, sweep_folder, weights_sha256, write_json, write_json_gz)
 from study.settings import SplitEval, Study, StudyError, grid_run, study_of
@@ -112,9 +112,10 @@ def check_world(stored: Optional[Mapping[str, object]], world: Mapping[str, obje
     if stored and stored.get("files") != world["files"]:
         changed = sorted(name for name in set(stored["files"]) | set(world["files"])
                          if stored["files"].get(name) != world["files"].get(name))
-        raise StudyError(f"the world {world['root']} is not the one the bundle was made on ({stored['root']}): "
-                         f"these files differ: {changed}. Generate the world with the bundle's seed, or start a new "
-                         "bundle")
+        raise StudyError(f"the world {world['root']} is not the one the bundle was made on ({stored['root']}; world "
+                         f"checksums {world_checksum(world['files'])} here, {world_checksum(stored['files'])} in the "
+                         f"bundle): these files differ: {changed}. Generate the world with the bundle's seed, or "
+                         "start a new bundle (make study STUDY_SEED=N writes results/study-world-N)")
 
 
 # ----- reading ------------------------------------------------------------------------------------------------
@@ -309,26 +310,51 @@ def interval_fields(interval) -> dict:
     return {"estimate": interval.estimate, "low": interval.low, "high": interval.high}
 
 
+def flags_fields(flags) -> Optional[dict]:
+    if flags is None:
+        return None
+    return {"edge": flags.edge, "bracketed": flags.bracketed, "flat": flags.flat, "spread": flags.spread,
+            "noise": flags.noise}
+
+
 def report_document(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection],
                     findings: Findings, validity: Optional[study_validity.Validity]) -> dict:
-    """The numbers the report shows, as data: selection, summaries, comparisons, trade-off, checks, validity."""
+    """The numbers the report shows, as data: selection (with its flags), summaries, comparisons (bootstrap and
+    seed-level t), the claims they support, each row's activity, trade-off, checks, validity."""
     settings = study.settings
 
     def comparison(c) -> dict:
         return {"method": c.method, "negatives": c.condition, "reference": c.reference, "split": c.split,
-                "metric": c.metric, **interval_fields(c.interval), "n_seeds": c.n_seeds, "n_items": c.n_items}
+                "metric": c.metric, **interval_fields(c.interval), "n_seeds": c.n_seeds, "n_items": c.n_items,
+                "seed_t": c.seed.as_dict() if c.seed else None}
 
+    provisional = validity is not None and not validity.passed
     return json_safe({
         "format": FORMAT,
         "bootstrap": {"resamples": settings.resamples, "seed": settings.bootstrap_seed, "level": DEFAULT_LEVEL},
+        "selection_flags": {"flat_multiple": FLAT_MULTIPLE,
+                            "edge": "the chosen setting is the smallest or largest of its grid (not bracketed)",
+                            "flat": "best - worst validation mean < flat_multiple x sqrt(se_best^2 + se_worst^2), "
+                                    "se = seed-level sd / sqrt(seeds) (null: a setting with fewer than 2 seeds)"},
         "selection": [{"method": method, "negatives": condition, "chosen": selection.chosen,
-                       "validation": {setting: {"mean": mean, "n_seeds": count}
-                                      for setting, (mean, count) in selection.validation.items()}}
+                       "validation": {setting: {"mean": mean, "n_seeds": count,
+                                                "values": list(selection.values.get(setting, ()))}
+                                      for setting, (mean, count) in selection.validation.items()},
+                       "flags": flags_fields(findings.flags.get((method, condition)))}
                       for (method, condition), selection in selections.items()],
         "summaries": [{"method": s.method, "negatives": s.condition, "split": s.split, "metric": s.metric,
                        "setting": s.setting, **interval_fields(s.interval), "n_seeds": s.n_seeds}
                       for s in findings.summaries],
         "comparisons": [comparison(c) for c in findings.differences],
+        "claims": {"rule": "bootstrap and seed-level t intervals (95%) both exclude 0 on the same side; inactive "
+                           "rows left out; no multiplicity correction",
+                   "provisional": provisional,
+                   "read": [{"method": c.method, "negatives": c.condition, "reference": c.reference,
+                             "split": c.split, "metric": c.metric}
+                            for c in claims(findings.differences, findings.inactive)]},
+        "activity": [{"method": a.method, "negatives": a.condition, "reference": a.reference, "pairs": a.pairs,
+                      "decisions": a.outcomes, "differing": a.differing, "active": a.active}
+                     for a in findings.activity],
         "tradeoffs": [comparison(c) for c in findings.tradeoffs],
         "checks": [{"check": r.check.name, "reference": r.reference, "row_setting_chosen": r.chosen,
                     "metric": r.metric, "value": r.value, "reference_value": r.reference_value,
@@ -351,7 +377,9 @@ Python standard library (`gzip`, `json`); recomputing an interval needs numpy as
 - `<sweep>/sweep.json`: the grid (`runs`: each run's `name`, config files, overrides and `choices`, one label per
   axis), the study settings (`study`, as in `configs/sweeps/study.yaml`), the world's checksums (`world`: sha256 of
   its annotation files) and, for the study, the name of its checks sweep (`checks`). `sweep/` is the study,
-  `checks/` its one-seed checks (each a grid run with one option changed, axis `check`).
+  `checks/` its one-seed checks (each a grid run with one option changed, axis `check`). The world's one
+  checksum is the sha256 of `world.files` as canonical JSON (sorted keys, no spaces); `python -m study.restore`
+  and a sweep with this bundle refuse a world with another one, naming both.
 - `<sweep>/runs/<run>.json.gz`: one record per finished run (gzip JSON; `python -c "import gzip, json;
   print(json.load(gzip.open('results/study/sweep/runs/<run>.json.gz'))['splits'].keys())"`).
 - `sweep/frozen/<row>.json.gz`: the rows scored from a backbone without training (`frozen_cosine`: the global
@@ -359,8 +387,11 @@ Python standard library (`gzip`, `json`); recomputing an interval needs numpy as
   seed i).
 - `sweep/backbones/<sha256[:16]>/`: the backbone every run started from, carried so a later sitting can continue
   (below).
-- `sweep/report.json`: the numbers the page shows: `selection`, `summaries`, `comparisons` (paired differences),
-  `tradeoffs`, `checks`, `validity`, `missing`, and the `bootstrap` settings.
+- `sweep/report.json`: the numbers the page shows: `selection` (each setting's per-seed `values` and mean, the
+  chosen one and its `flags`), `summaries`, `comparisons` (paired differences, each with its `seed_t`), `claims`,
+  `activity`, `tradeoffs`, `checks`, `validity`, `missing`, and the `bootstrap` and `selection_flags` settings.
+  `python -m study.page --bundle results/study --out docs/study_results.md --refresh-report` writes it again from
+  this folder alone (after a change of the report's code; no run is read).
 
 ## A run record
 
@@ -406,6 +437,10 @@ queries of both directions (item id `<direction>:<index in the stored order>`).
 - Row: the runs of a method and condition at the setting chosen on `val` (`report.json` `selection`: the best
   mean `group` over seeds, the first in grid order on a tie). Mean and Student-t 95% interval over its seeds
   (n - 1 degrees of freedom).
+- Selection `flags`: `edge` when the chosen setting is the smallest or largest of its grid (`bracketed` false: a
+  setting beyond the grid may score better); `flat` when the best and worst settings' means differ (`spread`) by
+  less than `noise` = `selection_flags.flat_multiple` (2) x sqrt(se_best^2 + se_worst^2), se the setting's
+  sample standard deviation over seeds / sqrt(seeds); null with fewer than 2 seeds.
 - Paired difference (`comparisons`, `tradeoffs`, `checks`): a method's row minus its reference's on the same
   items, with a paired bootstrap over items x seeds:
   1. items: the ids common to both, sorted as strings; seeds: the method's seed labels in grid order that the
@@ -416,8 +451,21 @@ queries of both directions (item id `<direction>:<index in the stored order>`).
      `columns = rng.integers(N, size=N)`, replicate = `D[numpy.ix_(rows, columns)].mean()`;
   4. estimate `D.mean()`, interval `numpy.quantile(replicates, [0.025, 0.975])` (numpy's default, linear).
   The resampling unit is the item and the seed at once: both the test set's sampling and training noise enter.
+- Seed-level paired t (`seed_t` of each comparison and trade-off): the per-seed differences `d = D.mean(axis=1)`
+  (one per paired seed), mean with Student-t 95% interval on `df` = seeds - 1 degrees of freedom and the
+  two-sided `p` of a zero mean (null with one seed; d without spread: a point and p 1 when 0, else 0).
+- `claims.read`: the comparisons whose bootstrap and seed-level t intervals both exclude 0 on the same side, of
+  active rows, each read at 95% with no multiplicity correction; `claims.provisional` when the validity checks
+  do not all pass.
+- `activity`: each method compared with the baseline (`reference`), its runs (each setting and seed) against the
+  baseline's of the same condition, setting and seed: `decisions` compared on every split both hold (a swap
+  item's flags; whether a retrieval query, a zero-shot object, ranks its answer first) and how many `differing`;
+  `active` false (inactive) when none differs: the row is the baseline's runs, not a result of the method.
 - Validity gains: difference of the two means (the control's seeds, the backbones' pretraining seeds) with
-  Welch's t-interval.
+  Welch's t-interval. `validity.checks`: (a)-(c) on the backbones' mean and the control, (d)-(f) per backbone
+  (zero-shot shape and colour top-1 at least `criteria.recognition_floor`; 2-way relation within
+  `criteria.chance_margin` of 50; object words above composition words in the text attribution, `passed` null
+  when not measured); `validity.passed` only when every check passed.
 
 Recomputing one interval (the first comparison of report.json):
 

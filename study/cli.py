@@ -69,12 +69,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 from core.cli import add_data_root, add_output, refuse_renamed
 from study.analysis import evaluate_study
-from study.bundle import read_stored, update_bundle, with_bundled_checks
+from study.bundle import read_stored, update_bundle, with_bundled_checks, world_checksums
 from study.report import report_numbers, write_report
 from study.settings import SWEEP_FILE, Mechanisms, StudyError, load_study
 
@@ -125,6 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     args = parse_args(argv)
     try:
         study = load_study(args.sweep, args.data_root)
+        study = replace(study, world=world_checksums(study.settings.data, [study.settings.selection_split,
+                                                                           *study.settings.splits]))
         bundle = bundle_of(args.sweep, args.bundle)
         study = with_bundled_checks(study, bundle) if bundle else study
         evaluations, selections = evaluate_study(study, mechanisms=load_mechanisms(

@@ -3,10 +3,13 @@ TensorBoard view.
 
 `<out>/report/` gets:
 - `results.md`: per reporting split, every row's scores as `mean [low, high]` (Student-t 95% over seeds) at its
-  validation-chosen setting; the selection table (every setting's validation mean); the paired differences
-  against the reference; the composition / recognition trade-off against the frozen backbone; the checks beside
-  each row (one-seed variants on the selection split); the mechanism metrics; the grid runs that are missing or
-  failed;
+  validation-chosen setting; the selection table (every setting's validation mean, and whether the choice is
+  bracketed by the grid and above seed noise: `analysis.selection_flags`); the rows whose own term changed no
+  decision against the baseline (inactive, `analysis.row_activity`); the paired differences against the
+  reference, each with its items x seeds bootstrap and its seed-level paired t; the claims (both intervals
+  exclude 0 on one side, the row active; provisional where the testbed is not shown valid); the composition /
+  recognition trade-off against the frozen backbone; the checks beside each row (one-seed variants on the
+  selection split); the mechanism metrics; the grid runs that are missing or failed;
 - `results.csv` (long: method, negatives, split, metric, mean, low, high, n_seeds, lr; mechanism metrics as
   `mechanism/<key>`), `differences.csv`, `tradeoffs.csv` (each row minus the frozen reference), `selection.csv`,
   and `cells.json`: for every row and reporting split, the cache file (`study_eval.json`) of each seed, whose
@@ -29,13 +32,14 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from core.files import atomic_write_text
 from study import validity as study_validity
 from study.analysis import (
     CURVE_METRICS,
     CURVE_PREFIX,
+    FLAT_MULTIPLE,
     Cell,
     CheckResult,
     Comparison,
@@ -43,8 +47,12 @@ from study.analysis import (
     Evaluations,
     Findings,
     Selection,
+    SelectionFlags,
     Summary,
+    agreement,
     analyse,
+    claims,
+    excludes_zero,
     json_safe,
     metric_values,
 )
@@ -84,7 +92,7 @@ def write_report(study: Study, evaluations: Evaluations, selections: Mapping[Tup
         progress("\n".join(validity_lines))
     figures = write_figures(study, evaluations, selections, findings, out_dir, prefix="")
     atomic_write_text(out_dir / "results.md", markdown(study, evaluations, selections, findings, validity_lines,
-                                                       figures, FOLDER_SOURCE))
+                                                       figures, FOLDER_SOURCE, validity))
     atomic_write_text(out_dir / "results.csv", results_csv(findings.summaries, validity_rows))
     atomic_write_text(out_dir / "differences.csv", differences_csv(findings.differences))
     atomic_write_text(out_dir / "tradeoffs.csv", differences_csv(findings.tradeoffs))
@@ -107,7 +115,7 @@ def write_page(study: Study, evaluations: Evaluations, selections: Mapping[Tuple
     if plots:
         write_figures(study, evaluations, selections, findings, page.parent / "images", prefix="study_")
     text = "\n".join(header) + "\n\n" + markdown(study, evaluations, selections, findings, validity_lines, figures,
-                                                 source)
+                                                 source, validity)
     page.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(page, text)
     return text
@@ -137,22 +145,24 @@ def write_figures(study: Study, evaluations: Evaluations, selections: Mapping[Tu
 # ----- markdown -----------------------------------------------------------------------------------------------
 def markdown(study: Study, evaluations: Evaluations, selections: Mapping[Tuple[str, str], Selection],
              findings: Findings, validity_lines: Sequence[str] = (), figures: Optional[Figures] = None,
-             source: str = FOLDER_SOURCE) -> str:
+             source: str = FOLDER_SOURCE, validity: Optional[study_validity.Validity] = None) -> str:
     settings, figures = study.settings, figures or {}
     lines = [f"# Study report: {study.directory.name}", ""] + preamble(study, evaluations, source) + [""]
     lines += list(validity_lines)
     for split in settings.splits:
         lines += [f"## Scores on `{split}` (mean [95% t-interval over seeds], setting chosen on "
                   f"`{settings.selection_split}`)", ""]
-        lines += scores_table(study, findings.summaries, split) + [""]
+        lines += scores_table(study, findings.summaries, split, findings) + [""]
         lines += figure(figures, f"scores_{split}", f"swap group and 2-way relation on {split}, mean and 95% "
                                                     "interval over seeds")
     lines += [f"## Selection on `{settings.selection_split}`: mean {settings.selection_metric} over seeds "
               "(seeds) per setting; the chosen one in bold", ""]
-    lines += selection_table(study, selections) + [""]
+    lines += selection_table(study, selections, findings.flags) + [""] + selection_rule() + [""]
+    lines += activity_section(study, findings)
     lines += ["## Paired differences: method minus reference on the same items, paired bootstrap over items x "
-              f"seeds ({settings.resamples} resamples), 95% interval", ""]
-    lines += differences_table(findings.differences) + [""]
+              f"seeds ({settings.resamples} resamples) and seed-level paired t, 95% intervals", ""]
+    lines += differences_table(findings.differences, findings.inactive) + [""]
+    lines += claims_section(findings, validity)
     lines += tradeoff_section(study, findings.tradeoffs, figures)
     lines += checks_section(study, findings.checks)
     lines += mechanisms_section(study, findings.summaries)
@@ -182,7 +192,9 @@ def preamble(study: Study, evaluations: Evaluations, source: str = FOLDER_SOURCE
             + f"; frozen-backbone methods {list(frozen.methods)} and the other frozen rows are compared with "
               f"`{frozen.reference}`.")
     lines.append("- Paired differences: items matched by id; seeds matched by seed (a frozen reference, scored "
-                 "once, pairs with every seed); `reading` says whether the interval excludes 0.")
+                 "once, pairs with every seed); each with its items x seeds bootstrap and its seed-level paired t "
+                 "(the per-seed mean differences, Student t on seeds - 1 degrees of freedom); `reading` says better "
+                 "or worse only where both intervals exclude 0 on the same side.")
     lines.append("- Scores in %. `(one run)`: a single seed or a frozen row scored once, no interval over seeds. "
                  "Chance: swap group 16.7, swap text / image 25, 2-way 50, zero-shot shape 25, colour 16.7.")
     return lines
@@ -202,20 +214,38 @@ def report_rows(study: Study, summaries: Sequence[Summary], split: str) -> List[
     return grid + frozen
 
 
-def scores_table(study: Study, summaries: Sequence[Summary], split: str) -> List[str]:
+def row_label(method: str, condition: str, findings: Optional[Findings]) -> str:
+    """The row's method, marked `(inactive)` when its own term changed no decision (not a result)."""
+    return f"{method} (inactive)" if findings is not None and (method, condition) in findings.inactive else method
+
+
+def setting_label(setting: str, flags: Optional[SelectionFlags]) -> str:
+    """The chosen setting with what the selection cannot say beside it."""
+    if flags is None:
+        return setting
+    notes = (["not bracketed"] if flags.edge else []) + (["flat"] if flags.flat else [])
+    return f"{setting} ({', '.join(notes)})" if notes else setting
+
+
+def scores_table(study: Study, summaries: Sequence[Summary], split: str,
+                 findings: Optional[Findings] = None) -> List[str]:
     found = by_key(summaries)
+    flags = findings.flags if findings is not None else {}
     rows = []
     for method, condition in report_rows(study, summaries, split):
         cells = [found.get((method, condition, split, metric)) for metric in METRICS]
         first = next(cell for cell in cells if cell is not None)
-        rows.append([method, condition, first.setting, str(max(c.n_seeds for c in cells if c))]
+        rows.append([row_label(method, condition, findings), condition,
+                     setting_label(first.setting, flags.get((method, condition))),
+                     str(max(c.n_seeds for c in cells if c))]
                     + [interval_text(c.interval) if c else "-" for c in cells])
     if not rows:
         return ["(no scored runs)"]
     return table(["method", "negatives", "setting", "seeds"] + [TITLES[m] for m in METRICS], rows, 4)
 
 
-def selection_table(study: Study, selections: Mapping[Tuple[str, str], Selection]) -> List[str]:
+def selection_table(study: Study, selections: Mapping[Tuple[str, str], Selection],
+                    flags: Optional[Mapping[Tuple[str, str], Optional[SelectionFlags]]] = None) -> List[str]:
     settings_order = list(dict.fromkeys(s for sel in selections.values() for s in sel.validation))
     rows = []
     for (method, condition), selection in selections.items():
@@ -224,26 +254,125 @@ def selection_table(study: Study, selections: Mapping[Tuple[str, str], Selection
             mean, count = selection.validation.get(setting, (math.nan, 0))
             text = f"{mean:.1f} ({count})" if count else ("no run" if setting in selection.validation else "")
             cells.append(f"**{text}**" if setting == selection.chosen else text)
-        rows.append([method, condition, selection.chosen or "none scored"] + cells)
-    return table(["method", "negatives", "chosen"] + settings_order, rows, 3)
+        found = (flags or {}).get((method, condition))
+        rows.append([method, condition, selection.chosen or "none scored"] + cells
+                    + [flags_text(found)])
+    return table(["method", "negatives", "chosen"] + settings_order + ["flags"], rows, 3, 3 + len(settings_order))
 
 
-def differences_table(differences: Sequence[Comparison]) -> List[str]:
+def flags_text(flags: Optional[SelectionFlags]) -> str:
+    if flags is None:
+        return "-"
+    spread = f"best - worst {flags.spread:.1f}" + (f" vs {flags.noise:.1f}" if math.isfinite(flags.noise) else "")
+    return ", ".join(flags.labels()) + f" ({spread})"
+
+
+def selection_rule() -> List[str]:
+    return [f"Flags: `not bracketed (edge of the grid)`: the chosen setting is the grid's smallest or largest, so "
+            "the grid does not bracket the optimum and a setting beyond it may score better; `flat within seed "
+            "noise`: the best and worst settings' validation means differ by less than "
+            f"{FLAT_MULTIPLE:g} standard errors of that difference (each setting's seed-level standard error, "
+            "sd / sqrt(seeds), added in quadrature; `best - worst X vs Y` gives both), so the choice is not "
+            "above seed noise."]
+
+
+def activity_section(study: Study, findings: Findings) -> List[str]:
+    """The rows against the baseline's paired runs, decision by decision: which rows' own terms acted."""
+    if not findings.activity:
+        return []
+    rows = [[a.method, a.condition, a.reference, str(a.pairs), str(a.outcomes), str(a.differing),
+             "inactive: not a result" if a.active is False else "active"] for a in findings.activity]
+    return [f"## Did each row's own term act? Its runs against `{study.settings.baseline}`'s runs of the same "
+            "negatives, setting and seed, decision by decision", "",
+            "Every run of the row (each setting and seed) against its paired baseline run, on every split both "
+            "hold: each swap item's decisions, and whether each retrieval query and each zero-shot object rank "
+            "their answer first. A row none of whose decisions differs is inactive: its own term never changed "
+            "training enough to change one decision, so its scores are the baseline's. It is marked "
+            "`(inactive)` in the tables, its differences are not read, and it enters no claim. The bundle "
+            "records no direct measure of a term's activity (such as the share of steps a hinge fired); this is "
+            "the measure derived from what it records.", ""] + table(
+        ["method", "negatives", "against", "run pairs", "decisions compared", "decisions differing", "reading"],
+        rows, 3, 6) + [""]
+
+
+def differences_table(differences: Sequence[Comparison], inactive: Collection[Tuple[str, str]] = ()) -> List[str]:
     if not differences:
         return ["(no comparison: a reference or its runs are missing)"]
     rows = [[d.split, d.method, d.condition, d.reference, TITLES[d.metric], interval_text(d.interval),
-             str(d.n_seeds), str(d.n_items), verdict(d.interval)] for d in differences]
-    return table(["split", "method", "negatives", "reference", "metric", "difference [95%]", "seeds", "items",
-                  "reading"], rows, 5, 8)
+             seed_t_text(d), p_text(d.seed.p_value) if d.seed else "-", str(d.n_seeds), str(d.n_items),
+             verdict(d, inactive)] for d in differences]
+    return table(["split", "method", "negatives", "reference", "metric", "difference [95% bootstrap]",
+                  "seed-level t [95%]", "p (seed t)", "seeds", "items", "reading"], rows, 5, 10)
 
 
-def verdict(interval: Interval) -> str:
-    """Whether the interval excludes zero (the only reading the interval supports)."""
-    if interval.low > 0:
-        return "better"
-    if interval.high < 0:
-        return "worse"
-    return "no difference shown"
+def seed_t_text(comparison: Comparison) -> str:
+    """The seed-level t interval (`mean (one seed)` where one seed leaves none)."""
+    if comparison.seed is None or not math.isfinite(comparison.seed.interval.low):
+        return "- (one seed)"
+    return interval_text(comparison.seed.interval)
+
+
+def p_text(p: float) -> str:
+    if not math.isfinite(p):
+        return "-"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def verdict(comparison: Comparison, inactive: Collection[Tuple[str, str]] = ()) -> str:
+    """What the two intervals support: better or worse only where both exclude 0 on the same side."""
+    if (comparison.method, comparison.condition) in inactive:
+        return "inactive row: not read"
+    side = agreement(comparison)
+    if side:
+        return "better" if side > 0 else "worse"
+    bootstrap = excludes_zero(comparison.interval)
+    seed = excludes_zero(comparison.seed.interval) if comparison.seed else 0
+    if comparison.seed is None or not math.isfinite(comparison.seed.interval.low):
+        return "not shown: one seed" if bootstrap else "no difference shown"
+    if bootstrap and not seed:
+        return "not shown: bootstrap only"
+    if seed and not bootstrap:
+        return "not shown: seed t only"
+    return "no difference shown" if not bootstrap else "not shown: the intervals disagree"
+
+
+def claim_lines(findings: Findings, validity: Optional[study_validity.Validity]) -> List[str]:
+    """The claims a reader may state, one line each, and what they rest on: the paired differences whose bootstrap
+    and seed-level t intervals both exclude 0 on the same side, of active rows; marked provisional where the
+    testbed is not shown valid."""
+    found = claims(findings.differences, findings.inactive)
+    provisional = validity is not None and not validity.passed
+    tag = "provisional: " if provisional else ""
+    lines = [f"- {tag}`{c.method}` ({c.condition}) is {'above' if agreement(c) > 0 else 'below'} `{c.reference}` "
+             f"on {TITLES[c.metric]}, `{c.split}`: {c.interval.estimate:+.1f}, bootstrap "
+             f"[{c.interval.low:.1f}, {c.interval.high:.1f}], seed-level t [{c.seed.interval.low:.1f}, "
+             f"{c.seed.interval.high:.1f}] ({c.seed.df} df, p {p_text(c.seed.p_value)})" for c in found]
+    return lines or ["- none: no paired difference has both intervals excluding 0 on the same side"]
+
+
+def claims_statement(findings: Findings, validity: Optional[study_validity.Validity]) -> str:
+    """How the claims were read: how many comparisons, at what level, no multiplicity correction, which rows are
+    left out, and whether the testbed's validity lets them be read as conclusions."""
+    total = len(findings.differences)
+    with_t = sum(1 for c in findings.differences if c.seed is not None and math.isfinite(c.seed.interval.low))
+    inactive = sorted(f"`{m}` ({c})" for m, c in findings.inactive)
+    text = (f"{total} paired differences are each read at 95% ({with_t} of them with a seed-level t; the others "
+            "have one seed), with no correction for multiplicity: where no difference exists, about 1 in 20 "
+            f"comparisons excludes 0 by chance (about {0.05 * total:.0f} of {total}). A claim needs the bootstrap "
+            "and the seed-level t interval to exclude 0 on the same side.")
+    if inactive:
+        text += f" Inactive rows enter no claim: {', '.join(inactive)}."
+    if validity is not None and not validity.passed:
+        text += (f" The testbed is not shown valid ({study_validity.not_passed_text(validity)}): every claim is "
+                 "provisional, a measurement of this testbed rather than a conclusion about the methods.")
+    return text
+
+
+def claims_section(findings: Findings, validity: Optional[study_validity.Validity]) -> List[str]:
+    if not findings.differences:
+        return []
+    return ["## Claims: differences both intervals show", "", claims_statement(findings, validity), ""] + \
+        claim_lines(findings, validity) + [""]
 
 
 def tradeoff_section(study: Study, tradeoffs: Sequence[Comparison], figures: Figures) -> List[str]:
@@ -342,10 +471,15 @@ def results_csv(summaries: Sequence[Summary], extra_rows: Sequence[Sequence[obje
 
 
 def differences_csv(differences: Sequence[Comparison]) -> str:
+    """One row per paired difference: the bootstrap interval (`low`, `high`) and the seed-level t (`seed_low`,
+    `seed_high`, `seed_p`, `seed_df`; empty with one seed)."""
+    nan = math.nan
     return _csv(["method", "negatives", "reference", "split", "metric", "difference", "low", "high", "n_seeds",
-                 "n_items"],
+                 "n_items", "seed_low", "seed_high", "seed_p", "seed_df"],
                 [[d.method, d.condition, d.reference, d.split, d.metric, d.interval.estimate, d.interval.low,
-                  d.interval.high, d.n_seeds, d.n_items] for d in differences])
+                  d.interval.high, d.n_seeds, d.n_items]
+                 + ([d.seed.interval.low, d.seed.interval.high, d.seed.p_value, d.seed.df] if d.seed else
+                    [nan, nan, nan, ""]) for d in differences])
 
 
 def selection_csv(study: Study, selections: Mapping[Tuple[str, str], Selection]) -> str:

@@ -41,7 +41,7 @@ FROZEN_KEYS = ("backbone", "rows", "reference", "methods")
 BOOTSTRAP_KEYS = ("resamples", "seed")
 VALIDITY_KEYS = ("backbones", "control", "criteria")
 CONTROL_KEYS = ("method", "negatives")
-CRITERIA_KEYS = ("relation_gain", "group_gain", "chance_margin", "ceiling")
+CRITERIA_KEYS = ("relation_gain", "group_gain", "chance_margin", "ceiling", "recognition_floor")
 VALIDITY_PREFIX = "validity_"  # the name (and cache folder) of validity backbone i: validity_<i>
 
 SplitEval = Dict[str, object]  # one run on one split: outcomes, aggregates, mechanisms (see `score_splits`)
@@ -77,6 +77,7 @@ class ValiditySettings:
     group_gain: float = 10.0  # (b) control minus backbone, swap group score, at least
     chance_margin: float = 5.0  # (a) backbone 2-way relation within this of 50
     ceiling: float = 95.0  # (a) backbone 2-way attribute below this
+    recognition_floor: float = 80.0  # (d) each backbone's zero-shot shape and colour top-1 at least this
 
     def names(self) -> List[str]:
         return [f"{VALIDITY_PREFIX}{index}" for index in range(len(self.backbones))]
@@ -108,8 +109,11 @@ def _mapping(value: object, where: str, keys: Sequence[str]) -> dict:
     return value
 
 
-def parse_settings(study: Mapping[str, object], data: Optional[Path] = None) -> StudySettings:
-    """The study block of sweep.json as settings (`data` overrides study.data); a bad block is a StudyError."""
+def parse_settings(study: Mapping[str, object], data: Optional[Path] = None, scorers: bool = True) -> StudySettings:
+    """The study block of sweep.json as settings (`data` overrides study.data); a bad block is a StudyError.
+    `scorers` False leaves out the check of the frozen rows' scorer names against the registry, which imports
+    the models: a study read back from a results bundle was checked when it was written, and its page is made
+    with numpy and the standard library alone."""
     study = _mapping(study, "study", STUDY_KEYS)
     selection = _mapping(study.get("selection"), "study.selection", SELECTION_KEYS)
     bootstrap = _mapping(study.get("bootstrap"), "study.bootstrap", BOOTSTRAP_KEYS)
@@ -123,26 +127,29 @@ def parse_settings(study: Mapping[str, object], data: Optional[Path] = None) -> 
         data=Path(root), baseline=str(study.get("baseline", StudySettings.baseline)),
         selection_split=str(selection.get("split", StudySettings.selection_split)),
         selection_metric=str(selection.get("metric", StudySettings.selection_metric)), splits=tuple(splits),
-        frozen=parse_frozen(study.get("frozen")), resamples=int(bootstrap.get("resamples", DEFAULT_RESAMPLES)),
+        frozen=parse_frozen(study.get("frozen"), scorers),
+        resamples=int(bootstrap.get("resamples", DEFAULT_RESAMPLES)),
         bootstrap_seed=int(bootstrap.get("seed", 0)), validity=parse_validity(study.get("validity")),
         contrast=parse_contrast(study.get("contrast")), checks=parse_checks(study.get("checks")))
     check_settings(settings)
     return settings
 
 
-def parse_frozen(frozen: object) -> Optional[FrozenRows]:
-    """study.frozen as FrozenRows (None when absent); the reference defaults to the one row scored by `clip`."""
+def parse_frozen(frozen: object, scorers: bool = True) -> Optional[FrozenRows]:
+    """study.frozen as FrozenRows (None when absent); the reference defaults to the one row scored by `clip`.
+    `scorers`: check the scorer names against the registry (`evaluation.evaluate.SCORERS`)."""
     if frozen is None:
         return None
     frozen = _mapping(frozen, "study.frozen", FROZEN_KEYS)
     rows = frozen.get("rows")
     if not frozen.get("backbone") or not isinstance(rows, dict) or not rows:
         raise StudyError("study.frozen needs a backbone (run directory or export) and rows {label: scorer}")
-    from evaluation.evaluate import SCORERS
+    if scorers:  # the registry imports the models
+        from evaluation.evaluate import SCORERS
 
-    unknown = sorted(scorer for scorer in rows.values() if scorer not in SCORERS)
-    if unknown:
-        raise StudyError(f"study.frozen.rows: unknown scorers {unknown}; registered: {sorted(SCORERS)}")
+        unknown = sorted(scorer for scorer in rows.values() if scorer not in SCORERS)
+        if unknown:
+            raise StudyError(f"study.frozen.rows: unknown scorers {unknown}; registered: {sorted(SCORERS)}")
     cosine_rows = [label for label, scorer in rows.items() if scorer == "clip"]
     reference = frozen.get("reference") or (cosine_rows[0] if len(cosine_rows) == 1 else None)
     if reference not in rows:
@@ -236,6 +243,7 @@ class Study:
     settings: StudySettings
     runs: List[GridRun]
     checks: List[GridRun] = field(default_factory=list)  # the runs of `settings.checks` (one-seed variants)
+    world: Optional[Mapping[str, object]] = None  # the world's checksums ({"root", "files"}), where known
 
     def methods(self) -> List[str]:
         return unique_values(run.method for run in self.runs)
@@ -285,11 +293,12 @@ def study_of(directory: Path, document: Mapping[str, object], checks: Optional[M
              data: Optional[Path] = None, world: bool = True) -> Study:
     """The study of a sweep.json document (and its checks sweep's), run directories under `directory` (and the
     checks sweep's directory), checked against the grid; `world` False leaves out the check that the world is
-    there (a study read back from a results bundle needs none)."""
-    settings = parse_settings(document.get("study") or {}, data)
+    there and the check of the frozen rows' scorers (a study read back from a results bundle needs neither, and
+    its page is made without the models)."""
+    settings = parse_settings(document.get("study") or {}, data, scorers=world)
     runs = [grid_run(entry, directory) for entry in document["runs"]]
     check_runs = [grid_run(entry, settings.checks) for entry in (checks or {}).get("runs", [])]
-    study = Study(directory, settings, runs, check_runs)
+    study = Study(directory, settings, runs, check_runs, world=document.get("world"))
     check_grid(study, world)
     return study
 

@@ -7,8 +7,14 @@ A study scores every run (one method, condition and seed) on the same items. Two
   bootstrap interval (`paired_bootstrap`) that resamples items and seeds together, so both the test-set
   sampling and the training noise of the seeds enter the interval. Items are paired (the same item for both
   methods); seeds are paired by index (seed i of both methods started from the same data order);
+- the same question with the seed as the only unit: the per-seed differences of the paired runs (each the mean
+  over the items) with a Student-t interval of their mean on n_seeds - 1 degrees of freedom and its two-sided
+  p-value (`paired_seed_t`). With 3 seeds it has 2 degrees of freedom: wide, and honest about how few the
+  training repeats are, where the bootstrap's item resampling can make a seed-driven difference look narrow;
 - how far apart are two unpaired seed sets (a fine-tuned cell and the pretraining seeds of its backbones, the
   testbed validity table): the difference of means with Welch's t-interval (`difference_interval`).
+
+The Student-t distribution is computed here exactly (the regularised incomplete beta function), not from a table.
 """
 from __future__ import annotations
 
@@ -71,6 +77,13 @@ def _log_beta(a: float, b: float) -> float:
     return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
 
 
+def student_t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with `df` degrees of freedom: I_x(df/2, 1/2) with x = df / (df + t^2)."""
+    if df <= 0:
+        raise ValueError(f"need df > 0, got {df}")
+    return _regularised_beta(df / 2, 0.5, df / (df + t * t))
+
+
 def student_t_quantile(probability: float, df: float) -> float:
     """The `probability` quantile of Student's t with `df` degrees of freedom, not necessarily whole (Welch)
     (bisection on the CDF)."""
@@ -96,6 +109,35 @@ def seed_interval(values: Sequence[float], level: float = DEFAULT_LEVEL) -> Inte
         return Interval(mean, math.nan, math.nan)
     half = student_t_quantile(0.5 + level / 2, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size)
     return Interval(mean, mean - half, mean + half)
+
+
+@dataclass(frozen=True)
+class SeedTest:
+    """The seed-level paired t: the mean per-seed difference with its t-interval, the two-sided p-value of a zero
+    mean and the degrees of freedom (n_seeds - 1). One seed: NaN bounds and p, 0 degrees of freedom."""
+
+    interval: Interval
+    p_value: float
+    df: int
+
+    def as_dict(self) -> dict:
+        return {"estimate": self.interval.estimate, "low": self.interval.low, "high": self.interval.high,
+                "p": self.p_value, "df": self.df}
+
+
+def paired_seed_t(differences: Sequence[float], level: float = DEFAULT_LEVEL) -> SeedTest:
+    """Student's paired t over seeds: `differences` holds one value per seed (method minus reference, each the mean
+    over the items of that seed's paired runs). The interval is `seed_interval` of the differences; the p-value
+    tests a zero mean. Differences without any spread give a point interval and p 1 (all zero) or 0 (not)."""
+    values = np.asarray(differences, dtype=np.float64)
+    interval = seed_interval(values, level)
+    if values.size < 2:
+        return SeedTest(interval, math.nan, 0)
+    spread = float(values.std(ddof=1))
+    if spread == 0.0:
+        return SeedTest(interval, 1.0 if interval.estimate == 0.0 else 0.0, values.size - 1)
+    t = interval.estimate / (spread / math.sqrt(values.size))
+    return SeedTest(interval, student_t_two_sided_p(t, values.size - 1), values.size - 1)
 
 
 def difference_interval(first: Sequence[float], second: Sequence[float], level: float = DEFAULT_LEVEL) -> Interval:
