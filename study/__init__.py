@@ -22,7 +22,8 @@ scores them (`evaluation/`); nothing below imports it. Inside, each module impor
 - `cli.py` (also `__main__.py`): the command; `page.py`: `python -m study.page`, the report page from a bundle
   (and the README's and docs/study.md's generated blocks, `headline.py`); `restore.py`: the bundle's backbone put
   back for its own world; `world.py`: the study's configs for the world of another seed, in folders of its own.
-- `demo.py`: `python -m study.demo`, the demo's table of every method on the shapes world.
+- `demo.py`: `python -m study.demo`, the demo's table: each fine-tuning method at a small budget against the study's
+  backbone, item by item, and the committed study's headline.
 - probes of the testbed itself: `position_probe.py`, `relation_text_probe.py` (can a CLIP of this size learn
   left/right from pixels, and from text?) and `term_gradients.py` (each loss term's gradient per tower).
 """

@@ -1,6 +1,6 @@
 """`python -m study.demo --data-root DIR --bundle DIR runs.LABEL=RUN_DIR ...`: the demo's table.
 
-`make demo` fine-tunes every method from the method study's carried backbone on the study's world, all at one small
+`make demo` fine-tunes the method study's fine-tuning methods from its carried backbone on its world, all at one small
 budget (configs/sweeps/demo.yaml), and this command scores them on the world's `test` split: the swap set
 (`shapes_swap`), image-text retrieval over the split's captions and the attention attribution gap (relation /
 attribute words minus object words, as the monitor measures it). Every row is compared with the reference row (the
@@ -337,9 +337,35 @@ def _measure(entry: Mapping[str, float]) -> str:
     return f"{entry['mean']:+.1f} [{entry['low']:+.1f}, {entry['high']:+.1f}]"
 
 
+def validity_line(report: Mapping[str, object], split: str) -> str:
+    """The study's own verdict on its testbed: every check passed on `split`, or the ones that did not."""
+    validity = report.get("validity") or {}
+    if validity.get("passed"):
+        return "  testbed validity: every check passes"
+    missed = [f"({c['check']}) {c['title']}: {'not measured' if c.get('passed') is None else 'no'}"
+              for c in validity.get("checks") or [] if c.get("split") in (split, None) and c.get("passed") is not True]
+    return (f"  testbed validity: not shown valid ({'; '.join(missed) or 'see the report'}): every comparison is "
+            "provisional, a measurement of this testbed, not a conclusion about the methods")
+
+
+def claimed(report: Mapping[str, object], comparison: Mapping[str, object]) -> bool:
+    """Whether the report reads `comparison` as a claim (its `claims.rule`: both intervals exclude 0 on one side)."""
+    keys = ("method", "negatives", "reference", "split", "metric")
+    return any(all(claim.get(key) == comparison.get(key) for key in keys)
+               for claim in (report.get("claims") or {}).get("read") or [])
+
+
+def comparison_text(report: Mapping[str, object], c: Mapping[str, object]) -> str:
+    seed_t = c.get("seed_t")
+    seeds = f"; seed-level t {seed_t['estimate']:+.1f} [{seed_t['low']:+.1f}, {seed_t['high']:+.1f}]" if seed_t else ""
+    verdict = (": a claim" if claimed(report, c) else ": no claim") if "claims" in report else ""
+    return f"{c['estimate']:+.1f} [{c['low']:+.1f}, {c['high']:+.1f}] (items x seeds bootstrap{seeds}){verdict}"
+
+
 def study_headline(bundle: Path, methods: Sequence[str], split: str) -> List[str]:
     """The committed study's numbers at full budget, from its report.json: the control's gain over the pretrained
-    backbones (the validity table) and every demo method's swap group difference with the control."""
+    backbones (the validity table), the study's verdict on its testbed, and every demo method's swap group difference
+    with the control, with the report's reading of it."""
     report = read_document(bundle, "report.json")
     control = control_of(report)
     condition = control.get("negatives")
@@ -355,11 +381,10 @@ def study_headline(bundle: Path, methods: Sequence[str], split: str) -> List[str
     if gain:
         lines.append(f"  {name}, the positive control, over the pretrained backbones: swap group "
                      f"{_measure(gain['group'])}, 2-way relation {_measure(gain['acc_relation'])}")
-    for method in methods:
-        if method in found:
-            c = found[method]
-            lines.append(f"  {method} ({condition}) - {name}, swap group, paired by item and seed: "
-                         f"{c['estimate']:+.1f} [{c['low']:+.1f}, {c['high']:+.1f}]")
+    if report.get("validity"):
+        lines.append(validity_line(report, split))
+    lines += [f"  {method} ({condition}) - {name}, swap group: {comparison_text(report, found[method])}"
+              for method in methods if method in found]
     return lines
 
 

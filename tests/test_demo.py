@@ -38,11 +38,14 @@ def tiny_bundle(root: Path, world: Path, backbone: Path) -> Path:
     write_json_gz(bundle / "sweep" / "runs" / f"{control}.json.gz", {"config": {"trainer.max_steps": 600}})
     gain = {metric: {"mean": mean, "low": mean - 4, "high": mean + 4} for metric, mean in
             (("group", 32.9), ("acc_relation", 20.7))}
+    comparison = {"method": "cae_attention", "negatives": "with", "reference": "clip_ft (with)", "split": "test",
+                  "metric": "group"}
     write_json(bundle / "sweep" / "report.json", {
-        "validity": {"control": {"method": "clip_ft", "negatives": "with"}, "splits": {"test": {"gain": gain}}},
-        "comparisons": [{"method": "cae_attention", "negatives": "with", "reference": "clip_ft (with)",
-                         "split": "test", "metric": "group", "estimate": -0.5, "low": -1.7, "high": 0.6,
-                         "n_seeds": 3}]})
+        "validity": {"control": {"method": "clip_ft", "negatives": "with"}, "splits": {"test": {"gain": gain}},
+                     "passed": True},
+        "comparisons": [{**comparison, "estimate": -2.5, "low": -3.7, "high": -1.4, "n_seeds": 3,
+                         "seed_t": {"estimate": -2.5, "low": -4.0, "high": -1.0}}],
+        "claims": {"read": [comparison]}})
     weights = backbone / "export" / "open_clip.pt"
     carry_backbone(bundle, "sweep", {"path": str(backbone / "export"), "sha256": file_sha256(weights)})
     return bundle
@@ -71,7 +74,9 @@ def test_the_demo_table_end_to_end_on_a_tiny_world(tmp_path, monkeypatch, capsys
     assert "at full budget (600 steps, 3 seeds" in printed
     assert "clip_ft (with), the positive control, over the pretrained backbones: swap group +32.9 [+28.9, " \
            "+36.9], 2-way relation +20.7 [+16.7, +24.7]" in printed
-    assert "cae_attention (with) - clip_ft (with), swap group, paired by item and seed: -0.5 [-1.7, +0.6]" in printed
+    assert "testbed validity: every check passes" in printed
+    assert "cae_attention (with) - clip_ft (with), swap group: -2.5 [-3.7, -1.4] (items x seeds bootstrap; " \
+           "seed-level t -2.5 [-4.0, -1.0]): a claim" in printed
 
 
 def test_another_world_or_backbone_stops_the_demo_before_training(tmp_path):
@@ -113,15 +118,22 @@ def test_the_sign_test_against_counting_every_outcome_as_extreme(wins, losses):
 
 
 def test_the_headline_is_the_committed_reports():
+    """Every number and verdict of the headline is the committed report's, none written by hand."""
     report = json.loads((BUNDLE / "sweep" / "report.json").read_text())
     lines = study_headline(BUNDLE, ["cae_attention", "macco", "smartclip"], "test")
+    assert len(lines) == 6 and lines[0].startswith("The committed study at full budget (600 steps, 3 seeds")
     gain = report["validity"]["splits"]["test"]["gain"]["group"]
     assert f"swap group {gain['mean']:+.1f} [{gain['low']:+.1f}, {gain['high']:+.1f}]" in lines[1]
-    macco = next(c for c in report["comparisons"] if (c["method"], c["negatives"], c["metric"], c["split"],
-                                                      c["reference"]) == ("macco", "with", "group", "test",
+    assert ("every check passes" in lines[2]) == bool(report["validity"]["passed"])
+    claims = report["claims"]["read"]
+    for line, method in zip(lines[3:], ["cae_attention", "macco", "smartclip"]):
+        c = next(c for c in report["comparisons"] if (c["method"], c["negatives"], c["metric"], c["split"],
+                                                      c["reference"]) == (method, "with", "group", "test",
                                                                           "clip_ft (with)"))
-    assert any("macco (with) - clip_ft (with)" in line and f"{macco['estimate']:+.1f}" in line for line in lines)
-    assert len(lines) == 5 and lines[0].startswith("The committed study at full budget (600 steps, 3 seeds")
+        assert line.startswith(f"  {method} (with) - clip_ft (with), swap group: {c['estimate']:+.1f} [")
+        is_claim = any(all(claim[k] == c[k] for k in ("method", "negatives", "reference", "split", "metric"))
+                       for claim in claims)
+        assert line.endswith(": a claim" if is_claim else ": no claim")
 
 
 def test_a_row_scored_with_sgi_and_the_run_syntax(tmp_path):
